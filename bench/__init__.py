@@ -1,0 +1,1 @@
+"""Benchmarks: acceptance, decode speed, chat/tool behaviour. JSONL results in bench/results/."""

@@ -1,0 +1,1 @@
+"""Per-specialist speculation policies and the runtime gate."""

@@ -1,0 +1,1 @@
+"""HTTP side: the only package that knows about OpenAI's API (serving lands with a later issue)."""

@@ -1,0 +1,1 @@
+"""Speculation, independent of any one model: draft -> verify -> accept -> commit/rollback."""

@@ -1,0 +1,1 @@
+"""Specialists: models, drafters, chat template, training."""

@@ -1,0 +1,1 @@
+"""Inference and training model code: configs, the MTP drafter, checkpoint I/O."""

@@ -1,0 +1,1 @@
+"""Ops: a torch reference each, GPU kernels beside."""

@@ -1,0 +1,1 @@
+"""Corpora, tokenizer, chat data, backbone and MTP training."""
