@@ -1,0 +1,159 @@
+"""Chat and tool-calling evaluation of one specialist checkpoint.
+
+    python -m bench.chat_eval --model DIR [--data bench/data/<domain>] [--limit N] [--max-new-tokens 256]
+                              [--batch-size 16]
+
+Loads DIR with transformers (float32, CPU) and greedily generates (batched, left padding, stopping at
+<|im_end|>) replies to:
+
+* tool_convs.jsonl    a call is expected: the fraction of replies whose first tool call parses, names an offered
+                      tool and carries arguments valid against that tool's schema (tool_call_valid), and the
+                      fraction naming the expected tool (tool_name_match);
+* chat_prompts.jsonl  with tools null: the fraction of replies containing a <tool_call> (no_tools_call_rate);
+                      all of them: the fraction ending with <|im_end|> within --max-new-tokens (end_of_turn_rate).
+
+The last line of stdout is one JSON object with those figures. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specialists.chat import EOS_TOKEN, TOOL_CALL_OPEN, parse_tool_calls, render, tool_name, validate_arguments
+
+log = logging.getLogger("bench.chat_eval")
+
+
+@dataclass
+class Reply:
+    text: str
+    ended: bool  # emitted <|im_end|> within the token budget
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    if not path.exists():
+        log.warning("missing %s", path)
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+def model_domain(model_dir: Path) -> str:
+    meta = model_dir / "cantata.json"
+    if meta.exists():
+        try:
+            domain = json.loads(meta.read_text()).get("domain")
+            if domain:
+                return str(domain)
+        except (ValueError, AttributeError):
+            log.warning("unreadable %s", meta)
+    return model_dir.resolve().name
+
+
+def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, batch_size: int,
+             desc: str = "generate") -> list[Reply]:
+    """Greedy, batched, left-padded generation that stops at <|im_end|>."""
+    import torch
+    from tqdm import tqdm
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    tokenizer.padding_side = "left"
+    limit = getattr(model.config, "max_position_embeddings", None) or 1024
+    replies: list[Reply] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, file=sys.stderr):
+        batch = prompts[start: start + batch_size]
+        max_prompt = max(1, limit - max_new_tokens)
+        enc = tokenizer(batch, add_special_tokens=False, return_tensors="pt", padding=True,
+                        truncation=True, max_length=max_prompt)
+        with torch.no_grad():
+            out = model.generate(
+                **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id,
+            )
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            ended = eos_id in row
+            if ended:
+                row = row[: row.index(eos_id) + 1]
+            replies.append(Reply(tokenizer.decode(row, skip_special_tokens=False), ended))
+    return replies
+
+
+def score_tool_call(reply: str, tools: list[dict[str, Any]], expected: dict[str, Any]) -> tuple[bool, bool]:
+    """(valid, name matches) for the first tool call of a reply."""
+    _, calls = parse_tool_calls(reply)
+    if not calls or calls[0].error:
+        return False, False
+    call = calls[0]
+    offered = {tool_name(t): t for t in tools}
+    name_match = call.name == expected.get("name")
+    if call.name not in offered:
+        return False, name_match
+    return validate_arguments(call.arguments, offered[call.name]) is None, name_match
+
+
+def evaluate(model: Any, tokenizer: Any, data: Path, limit: int | None, max_new_tokens: int,
+             batch_size: int) -> dict[str, Any]:
+    tool_rows = _read_jsonl(data / "tool_convs.jsonl", limit)
+    chat_rows = _read_jsonl(data / "chat_prompts.jsonl", limit)
+
+    tool_replies = generate(model, tokenizer, [render(r["messages"], r["tools"], add_generation_prompt=True)
+                                               for r in tool_rows], max_new_tokens, batch_size, "tool_convs")
+    valid = match = 0
+    for row, reply in zip(tool_rows, tool_replies):
+        ok, same = score_tool_call(reply.text, row["tools"], row["expected"])
+        valid += ok
+        match += same
+    chat_replies = generate(model, tokenizer, [render(r["messages"], r.get("tools"), add_generation_prompt=True)
+                                               for r in chat_rows], max_new_tokens, batch_size, "chat_prompts")
+    no_tools = [rep for row, rep in zip(chat_rows, chat_replies) if not row.get("tools")]
+    return {
+        "tool_convs": len(tool_rows),
+        "tool_call_valid": round(valid / len(tool_rows), 4) if tool_rows else None,
+        "tool_name_match": round(match / len(tool_rows), 4) if tool_rows else None,
+        "no_tools_prompts": len(no_tools),
+        "no_tools_call_rate": round(sum(TOOL_CALL_OPEN in r.text for r in no_tools) / len(no_tools), 4) if no_tools else None,
+        "chat_prompts": len(chat_rows),
+        "end_of_turn_rate": round(sum(r.ended for r in chat_replies) / len(chat_replies), 4) if chat_replies else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chat_eval", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint directory (model.safetensors)")
+    parser.add_argument("--data", type=Path, default=None, help="default: bench/data/<domain of the model>")
+    parser.add_argument("--limit", type=int, default=None, help="rows per file")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+    weights = args.model / "model.safetensors"
+    if not weights.is_file():
+        print(f"error: {args.model} has no model.safetensors; train or download the checkpoint first",
+              file=sys.stderr)
+        return 2
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    domain = model_domain(args.model)
+    data = args.data or Path("bench/data") / domain
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("loaded checkpoint %s (%s, %.2fM parameters, domain %s), data %s",
+             weights, type(model).__name__, n_params / 1e6, domain, data)
+    torch.manual_seed(0)
+    result = {"model": str(args.model), "domain": domain,
+              **evaluate(model, tokenizer, data, args.limit, args.max_new_tokens, args.batch_size)}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What every benchmark shares: reading prompts, naming the checkpoint, recording results."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+                if limit is not None and len(rows) >= limit:
+                    break
+    return rows
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def checkpoint_id(model_dir: Path) -> dict:
+    """Which checkpoint was loaded: path, weights hash prefix, and how it was made if recorded."""
+    model_dir = Path(model_dir)
+    ident = {"path": str(model_dir)}
+    for name in ("model.safetensors", "mtp.safetensors"):
+        f = model_dir / name
+        if f.is_file():
+            ident[name] = hashlib.sha256(f.read_bytes()).hexdigest()[:12]
+    meta = model_dir / "cantata.json"
+    if meta.is_file():
+        ident["made"] = {k: v for k, v in json.loads(meta.read_text()).items() if k in ("domain", "commit", "device", "corpus_sha256")}
+    return ident
+
+
+def record(results: Path | None, row: dict) -> None:
+    if results is None:
+        return
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with open(results, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
