@@ -8,6 +8,7 @@ Commands (each module exposes `cli(argv) -> int`):
   pack       tokenize corpora + conversations into compressed token arrays     (pack.py)
   backbone   train a specialist backbone (Llama or Bamba)                      (trainer.py)
   mtp        train the MTP drafter of a trained backbone, backbone frozen      (trainer.py)
+  export     assemble a shippable model dir (bf16) with provenance            (export.py)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _COMMANDS = {
     "pack": "specialists.train.pack",
     "backbone": "specialists.train.trainer",
     "mtp": "specialists.train.trainer",
+    "export": "specialists.train.export",
 }
 
 

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +106,9 @@ def load_state(folder: Path, module: torch.nn.Module, opt: torch.optim.Optimizer
 # ---- the shared loop -------------------------------------------------------------------------
 
 
-def run_loop(args: RunArgs, module: torch.nn.Module, params: list[torch.nn.Parameter], loss_fn, eval_fn, state_dir: Path) -> dict:
-    """Optimize `params` with loss_fn(batch) -> (loss, metrics); returns the final record."""
+def run_loop(args: RunArgs, module: torch.nn.Module, params: list[torch.nn.Parameter], loss_fn, eval_fn, state_dir: Path, check=None) -> dict:
+    """Optimize `params` with loss_fn(batch) -> (loss, metrics); returns the final record.
+    `check(step)` runs after every step and may raise to stop a run that is going nowhere."""
     train = TokenStreams.load(args.data / args.domain / "train")
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=args.device.startswith("cuda"))
     sched = CosineWithFloor(args.lr, args.steps, args.warmup, args.floor_ratio, args.time_budget_s)
@@ -136,6 +138,8 @@ def run_loop(args: RunArgs, module: torch.nn.Module, params: list[torch.nn.Param
             ema = value if ema is None else 0.95 * ema + 0.05 * value
             bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}")
         bar.update(1)
+        if check is not None:
+            check(step)
         if step % args.eval_every == 0:
             record = {"step": step, "train_loss": ema, **eval_fn()}
             history.append(record)
@@ -186,7 +190,8 @@ def train_backbone(args: RunArgs, tokenizer_dir: Path, preset_name: str) -> dict
     params = [p for p in model.parameters() if p.requires_grad]
     record = run_loop(args, model, params, loss_fn, eval_fn, args.out / "backbone_state")
     model.save_pretrained(str(args.out / "backbone"))
-    tokenizer.save_pretrained(str(args.out / "backbone"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy2(tokenizer_dir / name, args.out / "backbone" / name)
     record.update(preset=preset_name, family=preset.family, parameters=sum(p.numel() for p in params))
     return record
 
@@ -229,7 +234,7 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     return total, metrics
 
 
-def train_mtp(args: RunArgs, k: int, intermediate_size: int | None) -> dict:
+def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int) -> dict:
     backbone_dir = args.out / "backbone"
     backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir)).to(args.device).eval()
     for p in backbone.parameters():
@@ -263,10 +268,21 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None) -> dict:
         drafter.train()
         return {f"val_{key}": round(float(np.mean(v)), 4) for key, v in acc.items()}
 
+    sanity: dict = {}
+
+    def check(step: int) -> None:
+        """The short sanity run before the long one: the drafter must beat the bigram drafter."""
+        if step != sanity_steps:
+            return
+        sanity.update(step=step, **eval_fn())
+        log.info("%s/mtp sanity at step %d: %s", args.domain, step, sanity)
+        if sanity["val_a1_tf"] <= sanity["val_bigram_a1"]:
+            raise RuntimeError(f"drafter does not beat the bigram baseline after {step} steps: {sanity}")
+
     params = list(drafter.parameters())
-    record = run_loop(args, drafter, params, loss_fn, eval_fn, args.out / "mtp_state")
+    record = run_loop(args, drafter, params, loss_fn, eval_fn, args.out / "mtp_state", check)
     save_drafter(drafter, backbone_dir)
-    record.update(k=k, parameters=sum(p.numel() for p in params))
+    record.update(k=k, parameters=sum(p.numel() for p in params), sanity=sanity)
     final = record["final"]
     record["beats_bigram"] = final.get("val_a1_tf", 0.0) > final.get("val_bigram_a1", 1.0)
     return record
@@ -297,6 +313,7 @@ def cli(argv: list[str]) -> int:
     else:
         parser.add_argument("--k", type=int, default=3, help="drafting depth trained (depths 1..K)")
         parser.add_argument("--intermediate-size", type=int, default=None)
+        parser.add_argument("--sanity-steps", type=int, default=200, help="abort unless the drafter beats the bigram baseline by then")
     ns = parser.parse_args(rest)
     if ns.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -309,7 +326,7 @@ def cli(argv: list[str]) -> int:
     if kind == "backbone":
         record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain])
     else:
-        record = train_mtp(args, ns.k, ns.intermediate_size)
+        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps)
     record.update(domain=ns.domain, device=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu", seed=ns.seed,
                   batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr)
     (out / f"{kind}_result.json").write_text(json.dumps(record, indent=2) + "\n")
