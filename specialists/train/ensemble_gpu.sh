@@ -33,7 +33,7 @@ status=0
 wait || status=$?
 for d in cpp python build shell; do
   echo "== $d"; grep -E '^\{|Error|error|sanity' "runs/logs/$d.log" | cut -c1-400 || true
-  cp "runs/$d"/*_result.json runs/logs/ 2>/dev/null && for f in runs/logs/*_result.json; do mv "$f" "runs/logs/${d}_$(basename "$f")"; done 2>/dev/null || true
+  for f in "runs/$d"/*_result.json; do [ -f "$f" ] && cp "$f" "runs/logs/${d}_$(basename "$f")"; done
 done
 tar -C runs -czf "$out/logs.tar.gz" logs
 ls -la "$out"
