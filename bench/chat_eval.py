@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import checkpoint_id, device_name, git_commit, record
 from specialists.chat import EOS_TOKEN, TOOL_CALL_OPEN, parse_tool_calls, render, tool_name, validate_arguments
 
 log = logging.getLogger("bench.chat_eval")
@@ -120,7 +121,15 @@ def evaluate(model: Any, tokenizer: Any, data: Path, limit: int | None, max_new_
         "no_tools_call_rate": round(sum(TOOL_CALL_OPEN in r.text for r in no_tools) / len(no_tools), 4) if no_tools else None,
         "chat_prompts": len(chat_rows),
         "end_of_turn_rate": round(sum(r.ended for r in chat_replies) / len(chat_replies), 4) if chat_replies else None,
+        "end_of_turn_by_kind": end_of_turn_by_kind(chat_rows, chat_replies),
     }
+
+
+def end_of_turn_by_kind(rows: list[dict[str, Any]], replies: list[Reply]) -> dict[str, float]:
+    kinds: dict[str, list[bool]] = {}
+    for row, reply in zip(rows, replies):
+        kinds.setdefault(row.get("kind", "?"), []).append(reply.ended)
+    return {kind: round(sum(v) / len(v), 4) for kind, v in sorted(kinds.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="rows per file")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--results", type=Path, default=None, help="append the result as a JSONL row here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
@@ -151,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result = {"model": str(args.model), "domain": domain,
               **evaluate(model, tokenizer, data, args.limit, args.max_new_tokens, args.batch_size)}
+    record(args.results, {"bench": "chat_eval", **result, "max_new_tokens": args.max_new_tokens,
+                          "checkpoint": checkpoint_id(args.model), "device": device_name("cpu"), "commit": git_commit()})
     print(json.dumps(result))
     return 0
 

@@ -135,7 +135,7 @@ def run_loop(args: RunArgs, module: torch.nn.Module, params: list[torch.nn.Param
         tokens_seen += batch.inputs.numel()
         if step % 10 == 0 or step == 1:  # one host sync per 10 steps for the progress line
             value = float(loss.detach())
-            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            ema = value if ema is None else 0.8 * ema + 0.2 * value  # ~50-step window
             bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}")
         bar.update(1)
         if check is not None:
@@ -268,13 +268,15 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps
         drafter.train()
         return {f"val_{key}": round(float(np.mean(v)), 4) for key, v in acc.items()}
 
-    sanity: dict = {}
+    sanity_file = args.out / "mtp_sanity.json"  # kept across resumes
+    sanity: dict = json.loads(sanity_file.read_text()) if sanity_file.is_file() else {}
 
     def check(step: int) -> None:
         """The short sanity run before the long one: the drafter must beat the bigram drafter."""
-        if step != sanity_steps:
+        if sanity or not sanity_steps or step < sanity_steps:
             return
         sanity.update(step=step, **eval_fn())
+        sanity_file.write_text(json.dumps(sanity) + "\n")
         log.info("%s/mtp sanity at step %d: %s", args.domain, step, sanity)
         if sanity["val_a1_tf"] <= sanity["val_bigram_a1"]:
             raise RuntimeError(f"drafter does not beat the bigram baseline after {step} steps: {sanity}")
