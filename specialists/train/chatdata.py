@@ -832,6 +832,10 @@ EXPLAIN_QUESTIONS: dict[str, list[str]] = {
                "Describe what {path} does."],
 }
 
+# A continuation is always the next CONTINUE_LINES lines (fewer only at the end of a document or past
+# ANSWER_CHARS): a fixed length that a tiny model learns to stop at, instead of looping.
+CONTINUE_LINES = 4
+
 CONTINUE_REQUESTS: list[str] = [
     "Continue this code:\n```{fence}\n{snippet}\n```", "What comes next?\n```{fence}\n{snippet}\n```",
     "Complete the following from `{path}`:\n```{fence}\n{snippet}\n```",
@@ -923,7 +927,7 @@ class Synthesizer:
                 snippet_lines.pop(0)
             snippet = "\n".join(snippet_lines)
             answer_lines: list[str] = []
-            for line in lines[i + n: i + n + 8]:
+            for line in lines[i + n: i + n + CONTINUE_LINES]:
                 if len("\n".join(answer_lines + [line])) > ANSWER_CHARS:
                     break
                 answer_lines.append(line)

@@ -6,18 +6,22 @@
 #   bash specialists/train/ensemble_gpu.sh PACKED.tar.xz TOKENIZER_DIR OUT_DIR
 #
 # PACKED.tar.xz holds data/packed (python -m specialists.train pack); OUT_DIR receives <domain>.tar
-# (the model directory) and logs.tar.gz. Env: BACKBONE_S (280), MTP_S (140), CANTATA_COMMIT.
+# (the model directory) and logs.tar.gz. Env: BACKBONE_S (280), MTP_S (140), BATCH (32),
+# CHAT_FRACTION (0.5), CANTATA_COMMIT.
 set -euo pipefail
 packed_tar=${1:?packed tarball}
 tokenizer=${2:?tokenizer dir}
 out=${3:?output dir}
 backbone_s=${BACKBONE_S:-280}
 mtp_s=${MTP_S:-140}
+batch=${BATCH:-32}
+chat_fraction=${CHAT_FRACTION:-0.5}
 export PYTHONUNBUFFERED=1
 mkdir -p data runs/logs "$out"
 tar -C data -xJf "$packed_tar"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-common=(--data data/packed --steps 1000000 --batch-size 32 --seq-len 1024 --eval-every 1000 --save-every 2000)
+common=(--data data/packed --steps 1000000 --batch-size "$batch" --seq-len 1024 --chat-fraction "$chat_fraction"
+        --eval-every 1000 --save-every 2000)
 for d in cpp python build shell; do
   (
     python3 -m specialists.train backbone --domain "$d" --tokenizer "$tokenizer" --out "runs/$d" \
