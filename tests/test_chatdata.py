@@ -363,7 +363,10 @@ def test_chat_eval_metrics(tiny_model, capsys: pytest.CaptureFixture) -> None:
                            "--batch-size", "3"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {"model", "domain", "tool_convs", "tool_call_valid", "tool_name_match",
-                           "no_tools_prompts", "no_tools_call_rate", "chat_prompts", "end_of_turn_rate"}
+                           "no_tools_prompts", "no_tools_call_rate", "chat_prompts", "end_of_turn_rate",
+                           "end_of_turn_by_kind"}
+    kinds = result["end_of_turn_by_kind"]
+    assert kinds and all(0.0 <= v <= 1.0 for v in kinds.values())
     assert result["domain"] == "shell" and result["tool_convs"] == 4 and result["chat_prompts"] == 8
     assert result["no_tools_prompts"] >= 1
     for key in ("tool_call_valid", "tool_name_match", "no_tools_call_rate", "end_of_turn_rate"):
