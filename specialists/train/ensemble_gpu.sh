@@ -6,8 +6,8 @@
 #   bash specialists/train/ensemble_gpu.sh PACKED.tar.xz TOKENIZER_DIR OUT_DIR
 #
 # PACKED.tar.xz holds data/packed (python -m specialists.train pack); OUT_DIR receives <domain>.tar
-# (the model directory) and logs.tar.gz. Env: BACKBONE_S (280), MTP_S (140), BATCH (32),
-# CHAT_FRACTION (0.5), CANTATA_COMMIT.
+# (the model directory) and logs.tar.gz. Env: BACKBONE_S (280), MTP_S (140), BATCH (32), MTP_BATCH (BATCH),
+# CHAT_FRACTION (0.5), BACKBONE_LR (3e-3), INIT_DIR (continue from INIT_DIR/<domain>), CANTATA_COMMIT.
 set -euo pipefail
 packed_tar=${1:?packed tarball}
 tokenizer=${2:?tokenizer dir}
@@ -16,18 +16,20 @@ backbone_s=${BACKBONE_S:-280}
 mtp_s=${MTP_S:-140}
 batch=${BATCH:-32}
 chat_fraction=${CHAT_FRACTION:-0.5}
+backbone_lr=${BACKBONE_LR:-3e-3}
+mtp_batch=${MTP_BATCH:-$batch}
 export PYTHONUNBUFFERED=1
 mkdir -p data runs/logs "$out"
 tar -C data -xJf "$packed_tar"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-common=(--data data/packed --steps 1000000 --batch-size "$batch" --seq-len 1024 --chat-fraction "$chat_fraction"
-        --eval-every 1000 --save-every 2000)
+common=(--data data/packed --steps 1000000 --seq-len 1024 --chat-fraction "$chat_fraction" --eval-every 1000 --save-every 2000)
 for d in cpp python build shell; do
   (
+    init=(); [ -n "${INIT_DIR:-}" ] && init=(--init-from "$INIT_DIR/$d")
     python3 -m specialists.train backbone --domain "$d" --tokenizer "$tokenizer" --out "runs/$d" \
-      --time-budget-s "$backbone_s" --lr 3e-3 --warmup 200 "${common[@]}" &&
+      --time-budget-s "$backbone_s" --lr "$backbone_lr" --warmup 200 --batch-size "$batch" "${init[@]}" "${common[@]}" &&
     python3 -m specialists.train mtp --domain "$d" --out "runs/$d" --k 3 \
-      --time-budget-s "$mtp_s" --lr 2e-3 --warmup 100 "${common[@]}" &&
+      --time-budget-s "$mtp_s" --lr 2e-3 --warmup 100 --batch-size "$mtp_batch" "${common[@]}" &&
     python3 -m specialists.train export --run "runs/$d" --tokenizer "$tokenizer" --packed data/packed \
       --out "runs/export/$d" &&
     tar -C runs/export -cf "$out/$d.tar" "$d"

@@ -163,12 +163,15 @@ def fixed_batches(args: RunArgs) -> list[Batch]:
 # ---- backbone --------------------------------------------------------------------------------
 
 
-def train_backbone(args: RunArgs, tokenizer_dir: Path, preset_name: str) -> dict:
+def train_backbone(args: RunArgs, tokenizer_dir: Path, preset_name: str, init_from: Path | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     preset = PRESETS[preset_name]
-    config = backbone_config(preset, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config).to(args.device)
+    if init_from is not None:  # continue training a shipped checkpoint (fresh optimizer and schedule)
+        model = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=torch.float32).to(args.device)
+    else:
+        config = backbone_config(preset, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+        model = AutoModelForCausalLM.from_config(config).to(args.device)
     model.train()
     val = fixed_batches(args)
 
@@ -193,6 +196,11 @@ def train_backbone(args: RunArgs, tokenizer_dir: Path, preset_name: str) -> dict
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy2(tokenizer_dir / name, args.out / "backbone" / name)
     record.update(preset=preset_name, family=preset.family, parameters=sum(p.numel() for p in params))
+    if init_from is not None:
+        previous = json.loads((init_from / "cantata.json").read_text()) if (init_from / "cantata.json").is_file() else {}
+        prior = previous.get("backbone", {})
+        record.update(init_from=str(init_from), prior_steps=prior.get("steps"), prior_tokens_seen=prior.get("tokens_seen"))
+        record["tokens_seen_total"] = record["tokens_seen"] + (prior.get("tokens_seen_total") or prior.get("tokens_seen") or 0)
     return record
 
 
@@ -312,6 +320,7 @@ def cli(argv: list[str]) -> int:
     if kind == "backbone":
         parser.add_argument("--tokenizer", type=Path, default=Path("data/tokenizer"))
         parser.add_argument("--preset", choices=sorted(PRESETS), help="default: the domain's preset")
+        parser.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint's weights")
     else:
         parser.add_argument("--k", type=int, default=3, help="drafting depth trained (depths 1..K)")
         parser.add_argument("--intermediate-size", type=int, default=None)
@@ -326,7 +335,7 @@ def cli(argv: list[str]) -> int:
                    ns.time_budget_s, ns.seed, ns.device, ns.chat_fraction, ns.eval_every, ns.eval_batches, ns.save_every)
     out.mkdir(parents=True, exist_ok=True)
     if kind == "backbone":
-        record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain])
+        record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain], ns.init_from)
     else:
         record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps)
     record.update(domain=ns.domain, device=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu", seed=ns.seed,
