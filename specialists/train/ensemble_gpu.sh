@@ -7,7 +7,7 @@
 #
 # PACKED.tar.xz holds data/packed (python -m specialists.train pack); OUT_DIR receives <domain>.tar
 # (the model directory) and logs.tar.gz. Env: BACKBONE_S (280), MTP_S (140), BATCH (32), MTP_BATCH (BATCH),
-# CHAT_FRACTION (0.5), BACKBONE_LR (3e-3), INIT_DIR (continue from INIT_DIR/<domain>), CANTATA_COMMIT.
+# CHAT_FRACTION (0.5), BACKBONE_LR (3e-3), INIT_DIR (continue from INIT_DIR/<domain>), DOMAINS, CANTATA_COMMIT.
 set -euo pipefail
 packed_tar=${1:?packed tarball}
 tokenizer=${2:?tokenizer dir}
@@ -18,12 +18,13 @@ batch=${BATCH:-32}
 chat_fraction=${CHAT_FRACTION:-0.5}
 backbone_lr=${BACKBONE_LR:-3e-3}
 mtp_batch=${MTP_BATCH:-$batch}
+domains=${DOMAINS:-cpp python build shell}
 export PYTHONUNBUFFERED=1
 mkdir -p data runs/logs "$out"
 tar -C data -xJf "$packed_tar"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 common=(--data data/packed --steps 1000000 --seq-len 1024 --chat-fraction "$chat_fraction" --eval-every 1000 --save-every 2000)
-for d in cpp python build shell; do
+for d in $domains; do
   (
     init=(); [ -n "${INIT_DIR:-}" ] && init=(--init-from "$INIT_DIR/$d")
     python3 -m specialists.train backbone --domain "$d" --tokenizer "$tokenizer" --out "runs/$d" \
@@ -37,7 +38,7 @@ for d in cpp python build shell; do
 done
 status=0
 wait || status=$?
-for d in cpp python build shell; do
+for d in $domains; do
   echo "== $d"; grep -E '^\{|Error|error|sanity' "runs/logs/$d.log" | cut -c1-400 || true
   for f in "runs/$d"/*_result.json; do [ -f "$f" ] && cp "$f" "runs/logs/${d}_$(basename "$f")"; done
 done
