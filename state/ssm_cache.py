@@ -1,0 +1,201 @@
+"""SSM state slots (conv + SSM state per sequence and Mamba layer), with speculative rollback.
+
+Layout: ``conv`` [num_slots, num_layers, conv_dim, d_conv-1] (conv_dtype) and ``ssm``
+[num_slots, num_layers, H, P, N] float32. A sequence owns one slot from ``allocate()`` (zeroed)
+to ``free()`` (zeroed again). ``num_layers`` counts Mamba layers only; the caller maps model
+layer indices to 0..num_layers-1.
+
+Step protocol:
+    prefill:  y, conv, ssm = mamba2_prefill(...);         cache.write(layer, slot, conv, ssm)
+    decode / verify (q = 1 or K+1 tokens):
+              y, convs, ssms = mamba2_multi_step(p, u, *cache.read(layer, slots))
+              cache.stage(layer, slots, convs, ssms)      # for every Mamba layer
+              ... accept / reject ...
+              cache.commit(slots, num_accepted)           # once, after all layers
+
+``commit`` writes, for every staged layer, the state after exactly ``num_accepted[b]`` of the q
+tokens into slot b; ``num_accepted[b] == 0`` leaves the slot as it was (never indexes position
+-1: DESIGN lesson 10) and ``num_accepted[b] > q`` is an error. The slot never holds a state
+advanced past the accepted position (lesson 8).
+
+Design choice: per-token states, not snapshot + replay.
+    mamba2_multi_step returns the states after each of the q tokens (closed form: one [q, q]
+    decay matrix per head), and we keep them until commit, then copy one. The alternative is to
+    snapshot the slot before the verify and, on a partial accept, restore it and re-run the
+    accepted tokens through every Mamba layer. With q <= K+1 <= 6 the per-token states cost q
+    copies of a small state (shipped cpp model: 8 heads x 64 x 64 fp32 = 128 KiB SSM + 7.5 KiB conv (640 x 3)
+    per layer and token), while replay costs a second forward on the common partial-accept path.
+    Measured on CPU (torch 2.13, 1 thread of 2 shared cores, the shipped deploy/models/cpp mixer
+    of Mamba layer 0, batch 1, 200 interleaved calls; tests/test_mamba2_ops.py::
+    test_multi_step_timing prints it, run with -rP):
+        mamba2_multi_step q=1: 0.52 ms min / 0.55 ms median
+        mamba2_multi_step q=4: 0.79 ms min / 0.83 ms median   (all 4 per-token states included)
+        replaying 4 tokens (mamba2_prefill of 4 from the snapshot): 0.84 ms min / 0.88 ms median
+    So every intermediate state makes a 4-token verify ~1.5x a 1-token decode, whereas replay
+    would add up to another ~0.85 ms per Mamba layer (plus attention/MLP of a re-forward, if done
+    through the model) to every partially accepted step -- i.e. roughly double the verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SSMCacheConfig", "NoFreeSlotsError", "SSMCache"]
+
+
+@dataclass
+class SSMCacheConfig:
+    num_slots: int
+    num_layers: int  # number of Mamba layers
+    conv_dim: int
+    d_conv: int
+    num_heads: int
+    head_dim: int
+    d_state: int
+    conv_dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+class NoFreeSlotsError(RuntimeError):
+    """Every slot is owned by a sequence."""
+
+
+
+class SSMCache:
+    def __init__(self, config: SSMCacheConfig):
+        if config.num_slots <= 0 or config.num_layers <= 0 or config.d_conv < 2:
+            raise ValueError(f"bad SSMCacheConfig: {config}")
+        self.config = config
+        c = config
+        self.conv = torch.zeros(
+            c.num_slots, c.num_layers, c.conv_dim, c.d_conv - 1, dtype=c.conv_dtype, device=c.device
+        )
+        self.ssm = torch.zeros(
+            c.num_slots, c.num_layers, c.num_heads, c.head_dim, c.d_state, dtype=torch.float32, device=c.device
+        )
+        self._free: list[int] = list(range(c.num_slots))  # kept sorted: lowest slot first
+        self._owned: set[int] = set()
+        # layer -> (slots [B] long, conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N])
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # -- slots -------------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeSlotsError(f"all {self.config.num_slots} SSM slots are in use")
+        slot = self._free.pop(0)
+        self.conv[slot].zero_()
+        self.ssm[slot].zero_()
+        self._owned.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        slot = int(slot)
+        if slot not in self._owned:
+            raise ValueError(f"slot {slot} is not allocated")
+        if any(slot in s.tolist() for s, _, _ in self._staged.values()):
+            raise RuntimeError(f"slot {slot} has staged states; commit before freeing it")
+        self.conv[slot].zero_()
+        self.ssm[slot].zero_()
+        self._owned.remove(slot)
+        self._free.append(slot)
+        self._free.sort()
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _slots(self, slots) -> torch.Tensor:
+        t = torch.as_tensor(slots, dtype=torch.long).reshape(-1).cpu()
+        bad = [s for s in t.tolist() if s not in self._owned]
+        if bad:
+            raise ValueError(f"slots {bad} are not allocated")
+        if len(set(t.tolist())) != t.numel():
+            raise ValueError(f"duplicate slots {t.tolist()}")
+        return t
+
+    def _layer(self, layer: int) -> int:
+        if not 0 <= layer < self.config.num_layers:
+            raise IndexError(f"Mamba layer {layer} out of range 0..{self.config.num_layers - 1}")
+        return layer
+
+    def read(self, layer: int, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of (conv [B, conv_dim, K-1], ssm [B, H, P, N]) for the given slots."""
+        idx = self._slots(slots).to(self.conv.device)
+        layer = self._layer(layer)
+        return self.conv[idx, layer], self.ssm[idx, layer]
+
+    # -- writes ------------------------------------------------------------------------------------
+    def write(self, layer: int, slots, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Store the states after a prefill: conv_state [B, conv_dim, K-1] and ssm_state
+        [B, H, P, N] (or unbatched [conv_dim, K-1] / [H, P, N] with a single slot)."""
+        idx = self._slots(slots)
+        layer = self._layer(layer)
+        c = self.config
+        conv_state = conv_state.reshape(idx.numel(), c.conv_dim, c.d_conv - 1)
+        ssm_state = ssm_state.reshape(idx.numel(), c.num_heads, c.head_dim, c.d_state)
+        idx = idx.to(self.conv.device)
+        self.conv[idx, layer] = conv_state.to(self.conv.device, self.conv.dtype)
+        self.ssm[idx, layer] = ssm_state.to(self.ssm.device, torch.float32)
+
+    def stage(self, layer: int, slots, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
+        """Hold the per-token states of a multi-step (conv_states [B, q, conv_dim, K-1],
+        ssm_states [B, q, H, P, N]) until ``commit``. Nothing is written to the slots yet."""
+        idx = self._slots(slots)
+        layer = self._layer(layer)
+        c = self.config
+        B = idx.numel()
+        if conv_states.dim() != 4 or tuple(conv_states.shape[:1]) + tuple(conv_states.shape[2:]) != (
+            B, c.conv_dim, c.d_conv - 1
+        ):
+            raise ValueError(f"conv_states {tuple(conv_states.shape)} != [{B}, q, {c.conv_dim}, {c.d_conv - 1}]")
+        if ssm_states.dim() != 5 or tuple(ssm_states.shape[:1]) + tuple(ssm_states.shape[2:]) != (
+            B, c.num_heads, c.head_dim, c.d_state
+        ):
+            want = f"[{B}, q, {c.num_heads}, {c.head_dim}, {c.d_state}]"
+            raise ValueError(f"ssm_states {tuple(ssm_states.shape)} != {want}")
+        if conv_states.shape[1] != ssm_states.shape[1] or conv_states.shape[1] < 1:
+            raise ValueError("conv_states and ssm_states disagree on q (or q == 0)")
+        if layer in self._staged:
+            raise RuntimeError(f"layer {layer} already has staged states; commit first")
+        self._staged[layer] = (idx, conv_states, ssm_states)
+
+    def staged_layers(self) -> list[int]:
+        return sorted(self._staged)
+
+    def commit(self, slots, num_accepted) -> None:
+        """For every staged layer, write the state after exactly num_accepted[b] tokens into
+        slots[b] (0 = leave the slot as it was), then clear the staging. ``slots`` must be the
+        staged slots (any order)."""
+        idx = self._slots(slots)
+        m = torch.as_tensor(num_accepted, dtype=torch.long).reshape(-1).cpu()
+        if m.numel() != idx.numel():
+            raise ValueError(f"{m.numel()} num_accepted for {idx.numel()} slots")
+        if (m < 0).any():
+            raise ValueError(f"negative num_accepted {m.tolist()}")
+        # Validate everything before writing anything: a failed commit changes no slot.
+        plans = []
+        for layer, (sidx, convs, ssms) in self._staged.items():
+            if sorted(sidx.tolist()) != sorted(idx.tolist()):
+                raise ValueError(f"layer {layer} staged slots {sidx.tolist()}, commit got {idx.tolist()}")
+            q = convs.shape[1]
+            if (m > q).any():
+                raise ValueError(f"num_accepted {m.tolist()} exceeds q={q}")
+            row_of = {s: r for r, s in enumerate(sidx.tolist())}
+            rows = torch.tensor([row_of[s] for s in idx.tolist()], dtype=torch.long)
+            keep = m > 0  # m == 0: untouched, never position -1
+            plans.append((layer, rows[keep], idx[keep], m[keep] - 1, convs, ssms))
+        for layer, rows, dst, pos, convs, ssms in plans:
+            if dst.numel() == 0:
+                continue
+            r = rows.to(convs.device)
+            p = pos.to(convs.device)
+            d = dst.to(self.conv.device)
+            self.conv[d, layer] = convs[r, p].to(self.conv.device, self.conv.dtype)
+            self.ssm[d, layer] = ssms[r.to(ssms.device), p.to(ssms.device)].to(self.ssm.device, torch.float32)
+        self._staged.clear()
+
+    def discard(self) -> None:
+        """Drop the staging without writing (equivalent to commit with all zeros)."""
+        self._staged.clear()
