@@ -53,7 +53,8 @@ def provenance(run: Path, packed: Path, domain: str) -> dict:
         "packed": manifest["domains"][domain],
         "backbone": {k: backbone[k] for k in ("parameters", "steps", "tokens_seen", "seconds", "final", "batch_size", "seq_len", "lr", "seed",
                                               "init_from", "prior_steps", "prior_tokens_seen", "tokens_seen_total") if k in backbone},
-        "mtp": {k: mtp[k] for k in ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed")},
+        "mtp": {k: mtp[k] for k in ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed",
+                                    "init_from", "prior_steps", "prior_tokens_seen", "device") if k in mtp},
     }
 
 

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specialists.models.configs import DEFAULT_PRESET, PRESETS, backbone_config
 from specialists.ops.mamba_ssm_triton import load_triton_ssd
-from specialists.models.mtp import MTPConfig, MTPDrafter, depth_weights, save_drafter
+from specialists.models.mtp import MTPConfig, MTPDrafter, depth_weights, load_drafter, save_drafter
 from specialists.train.data import Batch, TokenStreams, sample_batch
 from specialists.train.domains import DOMAINS
 from specialists.train.schedule import CosineWithFloor
@@ -242,7 +242,7 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     return total, metrics
 
 
-def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int) -> dict:
+def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int, init_drafter: Path | None = None) -> dict:
     backbone_dir = args.out / "backbone"
     backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir)).to(args.device).eval()
     for p in backbone.parameters():
@@ -256,7 +256,10 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps
         rms_norm_eps=bc.rms_norm_eps,
     )
     torch.manual_seed(args.seed)
-    drafter = MTPDrafter(cfg).to(args.device).train()
+    drafter = MTPDrafter(cfg)
+    if init_drafter is not None:  # continue training a shipped drafter
+        drafter.load_state_dict(load_drafter(init_drafter).state_dict())
+    drafter = drafter.to(args.device).train()
     train = TokenStreams.load(args.data / args.domain / "train")
     bigram = bigram_table(np.asarray(train.text[:20_000_000]), bc.vocab_size)
     val = fixed_batches(args)
@@ -293,6 +296,9 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps
     record = run_loop(args, drafter, params, loss_fn, eval_fn, args.out / "mtp_state", check)
     save_drafter(drafter, backbone_dir)
     record.update(k=k, parameters=sum(p.numel() for p in params), sanity=sanity)
+    if init_drafter is not None:
+        prior = json.loads((init_drafter / "cantata.json").read_text()).get("mtp", {}) if (init_drafter / "cantata.json").is_file() else {}
+        record.update(init_from=str(init_drafter), prior_steps=prior.get("steps"), prior_tokens_seen=prior.get("tokens_seen"))
     final = record["final"]
     record["beats_bigram"] = final.get("val_a1_tf", 0.0) > final.get("val_bigram_a1", 1.0)
     return record
@@ -325,6 +331,7 @@ def cli(argv: list[str]) -> int:
         parser.add_argument("--k", type=int, default=3, help="drafting depth trained (depths 1..K)")
         parser.add_argument("--intermediate-size", type=int, default=None)
         parser.add_argument("--sanity-steps", type=int, default=200, help="abort unless the drafter beats the bigram baseline by then")
+        parser.add_argument("--init-drafter", type=Path, default=None, help="continue from this directory's mtp.safetensors")
     ns = parser.parse_args(rest)
     if ns.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -337,7 +344,7 @@ def cli(argv: list[str]) -> int:
     if kind == "backbone":
         record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain], ns.init_from)
     else:
-        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps)
+        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps, ns.init_drafter)
     record.update(domain=ns.domain, device=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu", seed=ns.seed,
                   batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr)
     (out / f"{kind}_result.json").write_text(json.dumps(record, indent=2) + "\n")
