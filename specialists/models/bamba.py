@@ -1,0 +1,135 @@
+"""Bamba (the Mamba2 / attention hybrid) for inference over a flattened token batch (oracle:
+transformers' BambaForCausalLM).
+
+Each layer: h += mixer(input_layernorm(h)); h += MLP(pre_ff_layernorm(h)), where the mixer is
+either attention (partial rotary: RoPE on the first partial_rotary_factor * head_dim channels,
+paged KV) or a Mamba2 mixer whose states live in an SSMCache slot per sequence:
+
+* prefill sequences: one `mamba2_prefill` each, continuing from the slot's state (chunked prefill),
+  and the final state is written to the slot at once;
+* decode / verify sequences (q = 1 or K+1 tokens): one batched `mamba2_multi_step` (shorter
+  sequences padded at the end: states are causal, the padding never reaches an accepted state),
+  the per-token states staged with `ssm.stage`; the engine calls `ssm.commit(slots, num_accepted)`
+  after acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specialists.models.batch import ForwardBatch
+from specialists.models.llama import (
+    AttentionWeights, MLPWeights, Rope, attention_block, head_dim_of, lm_head_of, mlp_block, rms_norm,
+)
+from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill
+
+__all__ = ["BambaModel"]
+
+
+@dataclass
+class _BambaLayer:
+    input_norm: torch.Tensor  # [d]
+    pre_ff_norm: torch.Tensor  # [d]
+    mlp: MLPWeights
+    attn: AttentionWeights | None = None
+    mamba: Mamba2Params | None = None
+    cache_index: int = 0  # index among the attention layers (KV) or the Mamba layers (SSM)
+
+
+class BambaModel:
+    family = "bamba"
+
+    def __init__(self, config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only silu is supported, got {config.hidden_act!r}")
+        self.config = config
+        self.device = torch.device(device)
+        self.head_dim = head_dim_of(config)
+        self.num_kv_heads = config.num_key_value_heads
+        self.eps = config.rms_norm_eps
+        self.embed = sd["model.embed_tokens.weight"]  # [V, d]
+        self.lm_head = lm_head_of(sd, config)  # [V, d]
+        self.norm = sd["model.final_layernorm.weight"]  # [d]
+        self.layers: list[_BambaLayer] = []
+        n_attn = n_mamba = 0
+        for i, kind in enumerate(config.layers_block_type):
+            p = f"model.layers.{i}."
+            layer = _BambaLayer(sd[p + "input_layernorm.weight"], sd[p + "pre_ff_layernorm.weight"],
+                                MLPWeights.from_state_dict(sd, p + "feed_forward."))
+            if kind == "full_attention":
+                layer.attn = AttentionWeights.from_state_dict(sd, p + "self_attn.", config.num_attention_heads,
+                                                              config.num_key_value_heads, self.head_dim)
+                layer.cache_index, n_attn = n_attn, n_attn + 1
+            elif kind == "linear_attention":
+                layer.mamba = Mamba2Params.from_state_dict(sd, config, p + "mamba.")
+                layer.cache_index, n_mamba = n_mamba, n_mamba + 1
+            else:
+                raise ValueError(f"layer {i}: unknown block type {kind!r}")
+            self.layers.append(layer)
+        self._n_attn, self._n_mamba = n_attn, n_mamba
+        self.rope = Rope(config, self.head_dim, self.device)
+        self.dtype = self.embed.dtype
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self._n_attn
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self._n_mamba
+
+    def _mamba(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
+        """x [T, d] normed -> mixer output [T, d]; prefills write their slots, the rest is staged."""
+        out = torch.empty_like(x)
+        qsl = batch.query_start_loc.tolist()
+        slots = batch.ssm_slots.tolist()
+        steps = [b for b in range(batch.num_seqs) if not batch.is_prefill[b]]
+        for b in range(batch.num_seqs):
+            if not batch.is_prefill[b]:
+                continue
+            s, e = qsl[b], qsl[b + 1]
+            conv, state = ssm.read(layer, [slots[b]])
+            y, conv, state = mamba2_prefill(p, x[s:e], conv[0], state[0])
+            out[s:e] = y
+            ssm.write(layer, [slots[b]], conv, state)
+        if steps:
+            qmax = max(batch.query_lens[b] for b in steps)
+            rows = torch.tensor(steps, dtype=torch.long, device=x.device)  # seq index -> row
+            row_of = torch.full((batch.num_seqs,), -1, dtype=torch.long, device=x.device)
+            row_of[rows] = torch.arange(len(steps), device=x.device)
+            tok = torch.cat([torch.arange(qsl[b], qsl[b + 1], device=x.device) for b in steps])  # [T_steps]
+            r, c = row_of[batch.token_seq[tok]], batch.token_qidx[tok]
+            u = x.new_zeros(len(steps), qmax, x.shape[1])  # [B_steps, qmax, d], padded at the end
+            u[r, c] = x[tok]
+            step_slots = [slots[b] for b in steps]
+            conv, state = ssm.read(layer, step_slots)
+            y, convs, states = mamba2_multi_step(p, u, conv, state)
+            out[tok] = y[r, c]
+            ssm.stage(layer, step_slots, convs, states)
+        return out
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv, ssm=None) -> torch.Tensor:  # -> hidden [T, d], final-normed
+        if self._n_mamba and ssm is None:
+            raise ValueError("a Bamba forward needs an SSMCache")
+        h = self.embed[batch.input_ids]
+        cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+        for layer in self.layers:
+            x = rms_norm(h, layer.input_norm, self.eps)
+            if layer.attn is not None:
+                i = layer.cache_index
+                h = h + attention_block(layer.attn, x, cos, sin, kv.k[i], kv.v[i], batch)
+            else:
+                h = h + self._mamba(layer.mamba, layer.cache_index, x, batch, ssm)
+            h = h + mlp_block(layer.mlp, rms_norm(h, layer.pre_ff_norm, self.eps))
+        return rms_norm(h, self.norm, self.eps)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
+        return F.linear(hidden, self.lm_head)

@@ -1,0 +1,208 @@
+"""Llama for inference over a flattened token batch with paged KV (oracle: transformers'
+LlamaForCausalLM). Also the shared pieces of the Bamba hybrid: RMSNorm, RoPE (partial rotary
+included), the GQA attention block and the SwiGLU MLP.
+
+Plain weight tensors, no autograd: `LlamaModel(config, state_dict)`; `forward(batch, kv)` returns
+the final-normed hidden states [T, d] (the drafter's "target hidden"), `logits(hidden)` the tied
+(or stored) lm_head's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from specialists.models.batch import ForwardBatch
+from specialists.ops.attention import paged_attention, write_kv
+
+__all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] -> weight * x / rms(x), computed in fp32 and cast back before the weight
+    (as transformers does)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class Rope:
+    """Rotary embedding as transformers computes it: inv_freq from config.rope_parameters
+    (rope_theta, rope_type, partial_rotary_factor), cos/sin = cat(freqs, freqs) * attention_scaling,
+    applied with rotate_half to the first rotary_dim channels of each head."""
+
+    def __init__(self, config: Any, head_dim: int, device: str | torch.device = "cpu") -> None:
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            scaling = 1.0
+        elif rope_type in ("dynamic", "longrope"):
+            raise NotImplementedError(f"rope_type {rope_type!r} (position-dependent inv_freq) is not supported")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.inv_freq = inv_freq.float().to(device)  # [rotary_dim / 2]
+        self.scaling = float(scaling)
+        self.rotary_dim = 2 * self.inv_freq.shape[0]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rotary_dim]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D], cos/sin [T, R] -> x with its first R channels rotated."""
+        r = cos.shape[-1]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        xr, xp = x[..., :r], x[..., r:]
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+        rotated = torch.cat((-x2, x1), dim=-1)
+        out = xr * cos + rotated * sin
+        return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
+
+
+@dataclass
+class AttentionWeights:
+    q_proj: torch.Tensor  # [H_q * D, d]
+    k_proj: torch.Tensor  # [H_kv * D, d]
+    v_proj: torch.Tensor  # [H_kv * D, d]
+    o_proj: torch.Tensor  # [d, H_q * D]
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, torch.Tensor], prefix: str, num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> "AttentionWeights":
+        g = sd.get
+        return cls(
+            sd[prefix + "q_proj.weight"], sd[prefix + "k_proj.weight"], sd[prefix + "v_proj.weight"],
+            sd[prefix + "o_proj.weight"], g(prefix + "q_proj.bias"), g(prefix + "k_proj.bias"),
+            g(prefix + "v_proj.bias"), g(prefix + "o_proj.bias"), num_heads, num_kv_heads, head_dim,
+        )
+
+
+@dataclass
+class MLPWeights:
+    gate_proj: torch.Tensor  # [I, d]
+    up_proj: torch.Tensor  # [I, d]
+    down_proj: torch.Tensor  # [d, I]
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, torch.Tensor], prefix: str) -> "MLPWeights":
+        g = sd.get
+        return cls(sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"], sd[prefix + "down_proj.weight"],
+                   g(prefix + "gate_proj.bias"), g(prefix + "up_proj.bias"), g(prefix + "down_proj.bias"))
+
+
+def attention_block(
+    w: AttentionWeights,
+    x: torch.Tensor,  # [T, d], normed
+    cos: torch.Tensor,  # [T, R]
+    sin: torch.Tensor,  # [T, R]
+    k_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    batch: ForwardBatch,
+) -> torch.Tensor:  # [T, d]
+    T = x.shape[0]
+    q = F.linear(x, w.q_proj, w.q_bias).view(T, w.num_heads, w.head_dim)
+    k = F.linear(x, w.k_proj, w.k_bias).view(T, w.num_kv_heads, w.head_dim)
+    v = F.linear(x, w.v_proj, w.v_bias).view(T, w.num_kv_heads, w.head_dim)
+    q = Rope.apply(q, cos, sin)
+    k = Rope.apply(k, cos, sin)
+    write_kv(k, v, k_cache_layer, v_cache_layer, batch.slot_mapping)
+    o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
+    return F.linear(o.reshape(T, w.num_heads * w.head_dim), w.o_proj, w.o_bias)
+
+
+def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T, d]
+    return F.linear(F.silu(F.linear(x, w.gate_proj, w.gate_bias)) * F.linear(x, w.up_proj, w.up_bias),
+                    w.down_proj, w.down_bias)
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def lm_head_of(sd: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+    """The stored lm_head, or the embedding when tied (or when the head is not stored)."""
+    if not getattr(config, "tie_word_embeddings", True) and "lm_head.weight" in sd:
+        return sd["lm_head.weight"]
+    return sd["model.embed_tokens.weight"]
+
+
+@dataclass
+class _LlamaLayer:
+    input_norm: torch.Tensor  # [d]
+    post_norm: torch.Tensor  # [d]
+    attn: AttentionWeights
+    mlp: MLPWeights
+
+
+class LlamaModel:
+    family = "llama"
+
+    def __init__(self, config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only silu is supported, got {config.hidden_act!r}")
+        self.config = config
+        self.device = torch.device(device)
+        self.head_dim = head_dim_of(config)
+        self.num_kv_heads = config.num_key_value_heads
+        self.eps = config.rms_norm_eps
+        self.embed = sd["model.embed_tokens.weight"]  # [V, d]
+        self.lm_head = lm_head_of(sd, config)  # [V, d]
+        self.norm = sd["model.norm.weight"]  # [d]
+        self.layers = [
+            _LlamaLayer(
+                sd[f"model.layers.{i}.input_layernorm.weight"],
+                sd[f"model.layers.{i}.post_attention_layernorm.weight"],
+                AttentionWeights.from_state_dict(sd, f"model.layers.{i}.self_attn.", config.num_attention_heads,
+                                                 config.num_key_value_heads, self.head_dim),
+                MLPWeights.from_state_dict(sd, f"model.layers.{i}.mlp."),
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+        self.rope = Rope(config, self.head_dim, self.device)
+        self.dtype = self.embed.dtype
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return 0
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv, ssm=None) -> torch.Tensor:  # -> hidden [T, d], final-normed
+        h = self.embed[batch.input_ids]
+        cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.eps)
+            h = h + attention_block(layer.attn, x, cos, sin, kv.k[i], kv.v[i], batch)
+            h = h + mlp_block(layer.mlp, rms_norm(h, layer.post_norm, self.eps))
+        return rms_norm(h, self.norm, self.eps)
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
+        return F.linear(hidden, self.lm_head)

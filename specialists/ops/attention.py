@@ -1,0 +1,100 @@
+"""Attention over the paged KV pool: write the new tokens' K/V, then causal attention of each
+sequence's new tokens over its whole context (1 token for decode, K+1 for verify, many for prefill),
+with grouped-query heads.
+
+The torch reference gathers each sequence's context through its block table into a padded
+[B, max_ctx] layout and runs one masked SDPA call for the whole batch: no Python loop over
+sequences or tokens. Context slots past a sequence's length (the rest of its last block, the
+table padding) are zeroed after the gather, so whatever the pool holds there (stale tails, other
+sequences' blocks, NaN) never reaches a result. Backends are picked per device at call time:
+`_BACKENDS` is the place for a Triton / flash-attn paged kernel on CUDA; today CUDA uses the torch
+path too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specialists.models.batch import ForwardBatch
+
+__all__ = ["write_kv", "paged_attention", "paged_attention_torch"]
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, H_kv, D]
+    v: torch.Tensor,  # [T, H_kv, D]
+    k_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D], written in place
+    v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D], written in place
+    slot_mapping: torch.Tensor,  # [T] int64 flat slots (block * block_size + offset)
+) -> None:
+    nb, bs, h, d = k_cache_layer.shape
+    k_cache_layer.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache_layer.dtype))
+    v_cache_layer.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache_layer.dtype))
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, H_q, D]
+    k_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    batch: ForwardBatch,
+    scale: float | None = None,
+) -> torch.Tensor:  # [T, H_q, D]
+    T, hq, d = q.shape
+    bs, hkv = k_cache_layer.shape[1], k_cache_layer.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
+    nblk = -(-max_ctx // bs)
+    table = batch.block_tables[:, :nblk].long()  # [B, nblk]
+    if table.shape[1] < nblk:
+        raise ValueError(f"block tables have {table.shape[1]} columns, contexts need {nblk}")
+
+    # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
+    k = k_cache_layer[table].reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
+    v = v_cache_layer[table].reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
+    j = torch.arange(max_ctx, device=q.device)
+    ctx = batch.context_lens.to(q.device).long()  # [B]
+    valid = (j[None, :] < ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    k = torch.where(valid, k, zero).to(q.dtype)
+    v = torch.where(valid, v, zero).to(q.dtype)
+
+    # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
+    qp = q.new_zeros(B, max_q, hq, d)
+    qp[batch.token_seq, batch.token_qidx] = q
+    qpos = torch.zeros(B, max_q, dtype=torch.long, device=q.device)
+    qpos[batch.token_seq, batch.token_qidx] = batch.positions
+    mask = j[None, None, :] <= qpos[..., None]  # [B, max_q, max_ctx], causal within the context
+
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2),  # [B, H_q, max_q, D]
+        k.transpose(1, 2),  # [B, H_kv, max_ctx, D]
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=hq != hkv,
+    )  # [B, H_q, max_q, D]
+    return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
+
+
+# device type -> implementation; a CUDA kernel (Triton / flash-attn with block tables) goes here.
+_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
+    "cpu": paged_attention_torch,
+    "cuda": paged_attention_torch,
+}
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H_q, D]
+    k_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    batch: ForwardBatch,
+    scale: float | None = None,  # default D ** -0.5
+) -> torch.Tensor:  # [T, H_q, D]
+    """Causal attention of each sequence's new tokens (already written with write_kv) over its
+    context [0, context_len) in the paged pool."""
+    impl = _BACKENDS.get(q.device.type, paged_attention_torch)
+    return impl(q, k_cache_layer, v_cache_layer, batch, scale)
