@@ -1,0 +1,141 @@
+"""Continuous batching: admission by free blocks and SSM slots, decode of running sequences,
+preemption by recompute when blocks run out.
+
+Each step the scheduler returns the sequences to run: running sequences decode one token each; while
+there is room (sequences, token budget, KV blocks, SSM slots) waiting sequences are admitted and
+prefilled. When a running sequence cannot get a block for its next token, the most recently admitted
+sequence is preempted: its KV blocks and SSM slot are freed and it goes back to the front of the
+queue, to be prefilled again over prompt + output (recompute).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from specialists.sampling import SamplingParams
+from state.block_pool import NoFreeBlocksError
+from state.kv_cache import KVCache
+from state.ssm_cache import SSMCache
+
+log = logging.getLogger(__name__)
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    ssm_slot: int = -1
+    finish_reason: str | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class ScheduledStep:
+    prefills: list[tuple[Sequence, list[int]]]  # (sequence, tokens to prefill)
+    decodes: list[Sequence]  # each feeds its last sampled token
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, ssm: SSMCache | None, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.ssm = ssm
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        decodes = self._schedule_decodes()
+        prefills: list[tuple[Sequence, list[int]]] = []
+        budget = self.max_num_batched_tokens - len(decodes)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            ids = seq.all_ids
+            if len(ids) > budget and (prefills or decodes):
+                break
+            if not self.kv.can_allocate(len(ids) + 1) or (self.ssm is not None and self.ssm.num_free() == 0):
+                break
+            cached = self.kv.add_sequence(seq.seq_id, ids)
+            try:
+                self.kv.reserve(seq.seq_id, len(ids) - cached)
+            except NoFreeBlocksError:
+                self.kv.free(seq.seq_id)
+                break
+            self.waiting.popleft()
+            self.prefix_hit_tokens += cached
+            if self.ssm is not None:
+                seq.ssm_slot = self.ssm.allocate()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            prefills.append((seq, ids[cached:]))
+            budget -= len(ids) - cached
+        return ScheduledStep(prefills, decodes)
+
+    def _schedule_decodes(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted while making room for an earlier one
+            while True:
+                try:
+                    self.kv.reserve(seq.seq_id, 1)
+                    scheduled.append(seq)
+                    break
+                except NoFreeBlocksError:
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        log.info("preempting %s (%d tokens) to free KV blocks", seq.request_id, len(seq.all_ids))
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        if self.ssm is not None and seq.ssm_slot >= 0:
+            self.ssm.free(seq.ssm_slot)
+            seq.ssm_slot = -1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        if self.ssm is not None and seq.ssm_slot >= 0:
+            self.ssm.free(seq.ssm_slot)
+            seq.ssm_slot = -1
