@@ -28,13 +28,6 @@ NAMES = ["tiny-llama", "tiny-bamba", *SHIPPED]
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on 2 shared cores: one intra-op thread is ~6x faster than contending for two."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _tiny_hf(name: str):

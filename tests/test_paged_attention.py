@@ -107,9 +107,3 @@ def test_batch_metadata() -> None:
     assert (b.max_query_len, b.max_context_len) == (4, 7)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)

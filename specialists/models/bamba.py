@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
-    AttentionWeights, MLPWeights, Rope, attention_block, head_dim_of, lm_head_of, mlp_block, rms_norm,
+    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, mlp_block, rms_norm,
 )
 from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill
 
@@ -40,20 +39,11 @@ class _BambaLayer:
     cache_index: int = 0  # index among the attention layers (KV) or the Mamba layers (SSM)
 
 
-class BambaModel:
+class BambaModel(DecoderBase):
     family = "bamba"
 
     def __init__(self, config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"only silu is supported, got {config.hidden_act!r}")
-        self.config = config
-        self.device = torch.device(device)
-        self.head_dim = head_dim_of(config)
-        self.num_kv_heads = config.num_key_value_heads
-        self.eps = config.rms_norm_eps
-        self.embed = sd["model.embed_tokens.weight"]  # [V, d]
-        self.lm_head = lm_head_of(sd, config)  # [V, d]
-        self.norm = sd["model.final_layernorm.weight"]  # [d]
+        super().__init__(config, sd, device, "model.final_layernorm.weight")
         self.layers: list[_BambaLayer] = []
         n_attn = n_mamba = 0
         for i, kind in enumerate(config.layers_block_type):
@@ -129,7 +119,3 @@ class BambaModel:
         return rms_norm(h, self.norm, self.eps)
 
     __call__ = forward
-
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
-        return F.linear(hidden, self.lm_head)

@@ -156,10 +156,10 @@ class _LlamaLayer:
     mlp: MLPWeights
 
 
-class LlamaModel:
-    family = "llama"
+class DecoderBase:
+    """What every family shares: config, embedding, tied or separate lm_head, final norm."""
 
-    def __init__(self, config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device, final_norm_key: str) -> None:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"only silu is supported, got {config.hidden_act!r}")
         self.config = config
@@ -169,7 +169,18 @@ class LlamaModel:
         self.eps = config.rms_norm_eps
         self.embed = sd["model.embed_tokens.weight"]  # [V, d]
         self.lm_head = lm_head_of(sd, config)  # [V, d]
-        self.norm = sd["model.norm.weight"]  # [d]
+        self.norm = sd[final_norm_key]  # [d]
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
+        return F.linear(hidden, self.lm_head)
+
+
+class LlamaModel(DecoderBase):
+    family = "llama"
+
+    def __init__(self, config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device = "cpu") -> None:
+        super().__init__(config, sd, device, "model.norm.weight")
         self.layers = [
             _LlamaLayer(
                 sd[f"model.layers.{i}.input_layernorm.weight"],
@@ -202,7 +213,3 @@ class LlamaModel:
         return rms_norm(h, self.norm, self.eps)
 
     __call__ = forward
-
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
-        return F.linear(hidden, self.lm_head)
