@@ -1,0 +1,165 @@
+"""Decode speed: our engine against transformers' generate on the same weights, prompts and device.
+
+  python -m bench.decode --model DIR --prompts FILE.jsonl [--batch-size B] [--max-new-tokens N]
+                         [--device cpu|cuda] [--limit N] [--dtype float32|bfloat16] [--results FILE]
+
+Rows are {"prompt": raw text (completion style)}; each prompt is tokenized without special tokens and
+cut to its last 256 tokens. Both sides decode greedily with EOS ignored, so every prompt yields
+exactly N new tokens, in batches of B prompts: the engine gets each batch at once (max_num_seqs = B),
+transformers gets it left-padded (at B = 1 there is no padding, a fair single-sequence figure). Both
+are warmed up once before timing. tok/s is generated tokens over wall time, aggregated over the
+batch; identical is the fraction of prompts whose greedy tokens equal transformers' exactly. The last
+line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
+
+log = logging.getLogger("bench.decode")
+
+PROMPT_TOKENS = 256
+WARMUP_TOKENS = 8
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _batches(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy, EOS ignored: exactly max_new_tokens ids per prompt, in prompt order."""
+    from specialists.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.token_ids) for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+@torch.no_grad()
+def hf_generate(hf, prompts: list[list[int]], max_new_tokens: int, pad_id: int, device: str) -> list[list[int]]:
+    """One left-padded batch (unpadded when all prompts have one length, e.g. B = 1); greedy, EOS ignored."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                      min_new_tokens=0, do_sample=False, pad_token_id=pad_id)
+    return [row.tolist() for row in out[:, width:].cpu()]
+
+
+def timed(fn, batches: list[list[list[int]]], device: str, desc: str) -> tuple[list[list[int]], float]:
+    """Runs fn on every batch; returns the outputs in order and the summed wall time of the calls."""
+    outs: list[list[int]] = []
+    total = 0.0
+    for batch in tqdm(batches, desc=desc, unit="batch", file=sys.stderr):
+        _sync(device)
+        t0 = time.perf_counter()
+        res = fn(batch)
+        _sync(device)
+        total += time.perf_counter() - t0
+        outs.extend(res)
+    return outs, total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--results", type=Path, default=None, help="append the result as a JSONL row here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        print("error: --batch-size and --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if not (args.model / "model.safetensors").is_file():
+        print(f"error: {args.model} has no model.safetensors", file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").is_file():
+        print(f"error: {args.model} has no config.json", file=sys.stderr)
+        return 2
+    ident = checkpoint_id(args.model)
+    print(f"loaded checkpoint: {json.dumps(ident)}", flush=True)
+
+    from specialists.engine import Engine  # after the refusal: no model work without weights
+
+    dtype = DTYPES[args.dtype]
+    engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size)
+    tokenizer = engine.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
+    hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+
+    rows = read_jsonl(args.prompts, args.limit)
+    prompts = [ids[-PROMPT_TOKENS:] for r in rows if (ids := tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])]
+    if not prompts:
+        print(f"error: no non-empty prompts in {args.prompts}", file=sys.stderr)
+        return 2
+    batches = _batches(prompts, args.batch_size)
+    n = args.max_new_tokens
+
+    def run_engine(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
+        return engine_generate(engine, batch, max_new)
+
+    def run_hf(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
+        return hf_generate(hf, batch, max_new, pad_id, args.device)
+
+    # warm-up: the prefill and decode shapes of the first batch, both sides; on reversed prompts, so that
+    # the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)
+    warm = [p[::-1] for p in batches[0]]
+    run_engine(warm, min(n, WARMUP_TOKENS))
+    run_hf(warm, min(n, WARMUP_TOKENS))
+    _sync(args.device)
+
+    hits_before = engine.stats.get("prefix_hit_tokens", 0)
+    ours, t_engine = timed(run_engine, batches, args.device, "engine")
+    prefix_hits = engine.stats.get("prefix_hit_tokens", 0) - hits_before
+    theirs, t_hf = timed(run_hf, batches, args.device, "transformers")
+    ours_tokens = sum(len(o) for o in ours)
+    hf_tokens = sum(len(o) for o in theirs)
+    same = sum(int(a == b) for a, b in zip(ours, theirs))
+    engine_tok_s = ours_tokens / t_engine if t_engine > 0 else 0.0
+    hf_tok_s = hf_tokens / t_hf if t_hf > 0 else 0.0
+    result = {
+        "model": str(args.model),
+        "device": args.device,
+        "batch_size": args.batch_size,
+        "engine_tok_s": round(engine_tok_s, 2),
+        "hf_tok_s": round(hf_tok_s, 2),
+        "ratio": round(engine_tok_s / hf_tok_s, 4) if hf_tok_s > 0 else None,
+        "identical": round(same / len(prompts), 4),
+    }
+    log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
+             len(prompts), n, t_engine, prefix_hits, t_hf, device_name(args.device))
+    record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": n, "dtype": args.dtype,
+                          "prompt_tokens": sum(len(p) for p in prompts), "prefix_hit_tokens": prefix_hits,
+                          "checkpoint": ident, "device_name": device_name(args.device), "commit": git_commit()})
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

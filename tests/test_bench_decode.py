@@ -1,0 +1,56 @@
+"""bench.decode: the result line on the shipped build specialist (a Llama), the results row, and the
+refusal without weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.decode import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "deploy" / "models" / "build"
+PROMPTS = ROOT / "bench" / "data" / "build" / "prompts.jsonl"
+
+
+
+
+def last_json(capsys) -> tuple[dict, str]:
+    out = capsys.readouterr().out
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    return json.loads(lines[-1]), out
+
+
+def test_result_line(tmp_path: Path, capsys) -> None:
+    results = tmp_path / "results.jsonl"
+    rc = main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "2", "--max-new-tokens", "8",
+               "--batch-size", "2", "--results", str(results)])
+    assert rc == 0
+    result, out = last_json(capsys)
+    assert "loaded checkpoint" in out and "model.safetensors" in out  # lesson 1: say which weights ran
+    assert set(result) == {"model", "device", "batch_size", "engine_tok_s", "hf_tok_s", "ratio", "identical"}
+    assert result["model"] == str(BUILD) and result["device"] == "cpu" and result["batch_size"] == 2
+    for key in ("engine_tok_s", "hf_tok_s", "ratio", "identical"):
+        assert isinstance(result[key], float), (key, result[key])
+    assert result["engine_tok_s"] > 0 and result["hf_tok_s"] > 0
+    assert result["ratio"] == pytest.approx(result["engine_tok_s"] / result["hf_tok_s"], rel=1e-2)
+    assert result["identical"] == 1.0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["bench"] == "decode" and row["identical"] == 1.0 and row["max_new_tokens"] == 8 and row["prompts"] == 2
+    assert {"device_name", "commit", "checkpoint", "prompt_tokens", "prefix_hit_tokens"} <= set(row)
+    assert row["prefix_hit_tokens"] == 0  # the warm-up must not pre-fill the prefix cache with the timed prompts
+
+
+def test_refuses_without_weights(tmp_path: Path, capsys) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy2(BUILD / name, bare / name)
+    assert main(["--model", str(bare), "--prompts", str(PROMPTS), "--limit", "1"]) == 2
+    assert "model.safetensors" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--model", str(empty), "--prompts", str(PROMPTS), "--limit", "1"]) == 2
