@@ -2,7 +2,7 @@
 
 Commands (each module exposes `cli(argv) -> int`):
   corpus     build the four domain corpora from files on this machine          (corpus.py)
-  chat       synthesize chat and tool-call conversations from the corpora      (chatdata.py)
+  chat       synthesize chat and tool-call conversations from the corpora      (chatdata.py, facts_*.py)
   evalsets   export the held-out evaluation sets into bench/data/              (evalsets.py)
   tokenizer  train the shared byte-level BPE tokenizer with the chat template  (tokenizer.py)
   pack       tokenize corpora + conversations into compressed token arrays     (pack.py)
