@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import checkpoint_id, device_name, git_commit, record
+from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
 from specialists.chat import EOS_TOKEN, TOOL_CALL_OPEN, parse_tool_calls, render, tool_name, validate_arguments
 
 log = logging.getLogger("bench.chat_eval")
@@ -35,14 +35,6 @@ log = logging.getLogger("bench.chat_eval")
 class Reply:
     text: str
     ended: bool  # emitted <|im_end|> within the token budget
-
-
-def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    if not path.exists():
-        log.warning("missing %s", path)
-        return []
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return rows[:limit] if limit else rows
 
 
 def model_domain(model_dir: Path) -> str:
@@ -100,8 +92,8 @@ def score_tool_call(reply: str, tools: list[dict[str, Any]], expected: dict[str,
 
 def evaluate(model: Any, tokenizer: Any, data: Path, limit: int | None, max_new_tokens: int,
              batch_size: int) -> dict[str, Any]:
-    tool_rows = _read_jsonl(data / "tool_convs.jsonl", limit)
-    chat_rows = _read_jsonl(data / "chat_prompts.jsonl", limit)
+    tool_rows = read_jsonl(data / "tool_convs.jsonl", limit)
+    chat_rows = read_jsonl(data / "chat_prompts.jsonl", limit)
 
     tool_replies = generate(model, tokenizer, [render(r["messages"], r["tools"], add_generation_prompt=True)
                                                for r in tool_rows], max_new_tokens, batch_size, "tool_convs")

@@ -21,6 +21,10 @@ from specialists.ops.attention import paged_attention, write_kv
 __all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block"]
 
 
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose architecture or settings our inference models do not implement."""
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] -> weight * x / rms(x), computed in fp32 and cast back before the weight
     (as transformers does)."""
@@ -44,7 +48,7 @@ class Rope:
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scaling = 1.0
         elif rope_type in ("dynamic", "longrope"):
-            raise NotImplementedError(f"rope_type {rope_type!r} (position-dependent inv_freq) is not supported")
+            raise UnsupportedModelError(f"rope_type {rope_type!r} (position-dependent inv_freq) is not supported")
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

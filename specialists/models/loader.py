@@ -16,7 +16,7 @@ from typing import Any, Mapping, Union
 import torch
 
 from specialists.models.bamba import BambaModel
-from specialists.models.llama import LlamaModel
+from specialists.models.llama import LlamaModel, UnsupportedModelError
 from state.kv_cache import KVCacheConfig
 from state.ssm_cache import SSMCacheConfig
 
@@ -25,10 +25,6 @@ __all__ = ["InferenceModel", "load_model", "model_from_state_dict", "model_from_
 logger = logging.getLogger(__name__)
 
 InferenceModel = Union[LlamaModel, BambaModel]
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's model_type has no inference implementation here."""
 
 
 _FAMILIES = {"llama": LlamaModel, "bamba": BambaModel}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
@@ -97,28 +98,12 @@ class Mamba2Params:
     @classmethod
     def from_hf(cls, mixer: Any) -> "Mamba2Params":
         """From a transformers ``BambaMixer`` (weights are shared, not copied)."""
-        if getattr(mixer, "activation", "silu") != "silu":
-            raise ValueError(f"only silu is supported, got {mixer.activation!r}")
-        return cls(
-            in_proj_weight=mixer.in_proj.weight.detach(),
-            in_proj_bias=None if mixer.in_proj.bias is None else mixer.in_proj.bias.detach(),
-            conv_weight=mixer.conv1d.weight.detach().squeeze(1),
-            conv_bias=None if mixer.conv1d.bias is None else mixer.conv1d.bias.detach(),
-            dt_bias=mixer.dt_bias.detach(),
-            A_log=mixer.A_log.detach(),
-            D=mixer.D.detach(),
-            norm_weight=mixer.norm.weight.detach(),
-            out_proj_weight=mixer.out_proj.weight.detach(),
-            out_proj_bias=None if mixer.out_proj.bias is None else mixer.out_proj.bias.detach(),
-            num_heads=mixer.num_heads,
-            head_dim=mixer.head_dim,
-            n_groups=mixer.n_groups,
-            d_state=mixer.ssm_state_size,
-            d_conv=mixer.conv_kernel_size,
-            chunk_size=mixer.chunk_size,
-            norm_eps=mixer.norm.variance_epsilon,
-            time_step_limit=tuple(mixer.time_step_limit),
+        geometry = SimpleNamespace(
+            hidden_act=getattr(mixer, "activation", "silu"), mamba_n_heads=mixer.num_heads, mamba_d_head=mixer.head_dim,
+            mamba_n_groups=mixer.n_groups, mamba_d_state=mixer.ssm_state_size, mamba_d_conv=mixer.conv_kernel_size,
+            mamba_chunk_size=mixer.chunk_size, rms_norm_eps=mixer.norm.variance_epsilon, time_step_limit=mixer.time_step_limit,
         )
+        return cls.from_state_dict(mixer.state_dict(), geometry)
 
     @classmethod
     def from_state_dict(cls, sd: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> "Mamba2Params":

@@ -29,13 +29,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from specialists.chat import render
+from specialists.train.corpus import iter_documents
 from specialists.train.domains import DOMAINS, SPLITS
 from specialists.train.facts_build import build_facts
 from specialists.train.facts_common import CallSpec, DocFacts, _is_license
 from specialists.train.facts_cpp import cpp_facts
-from specialists.train.facts_python import _SAFE_BUILTINS, python_facts  # noqa: F401 (_SAFE_BUILTINS: tests evaluate with it)
+from specialists.train.facts_python import _SAFE_BUILTINS, python_facts
 from specialists.train.facts_shell import shell_facts
 from specialists.train.tools import tools_for
+
+__all__ = ["_SAFE_BUILTINS", "cli", "extract_facts", "iter_docs", "load_pool", "synthesize"]  # tests evaluate run_python calls with _SAFE_BUILTINS
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +52,7 @@ TOOLS_ON_PLAIN_RATE = 0.3   # continue/explain rows that still offer tools
 
 def iter_docs(corpora: Path, domain: str, split: str) -> Iterator[dict[str, Any]]:
     """Documents of one corpus split ({"path", "text", "source"} dicts)."""
-    try:
-        from specialists.train.corpus import iter_documents
-    except ImportError:  # corpus builder not available: read the JSONL directly
-        path = Path(corpora) / domain / f"{split}.jsonl"
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
-        return
-    yield from iter_documents(Path(corpora), domain, split)
+    return iter_documents(Path(corpora), domain, split)
 
 
 EXTRACTORS: dict[str, Callable[[str, str, random.Random], DocFacts]] = {

@@ -21,160 +21,54 @@ directory it was found under.  Output:
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import logging
 import os
-import re
-import shutil
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 
 from tqdm import tqdm
 
+from specialists.train.debian import DebianFetch, fetch_debian
+from specialists.train.documents import (
+    MAX_BYTES,
+    MIN_BYTES,
+    SPLIT_FRACTIONS,
+    Candidate,
+    _accept_text,
+    _order_key,
+    content_key,
+    decode_text,
+    split_of,
+    version_strip,
+)
 from specialists.train.domains import DOMAINS, SPLITS
+from specialists.train.manpages import man_command, render_man_pages, select_man_pages
 from specialists.train.sources import (
     DEBIAN_PACKAGES,
     PRUNED_DIRS,
     Source,
     excluded_prefixes,
-    group_priority,
     interpreter_sources,
     reserved_path_reason,
-    reserved_text_reason,
     standard_sources,
 )
 
+__all__ = [  # the corpus API; documents.py and manpages.py hold the pieces
+    "MAX_BYTES", "MIN_BYTES", "SPLIT_FRACTIONS", "Candidate", "build_corpus", "cli", "content_key", "decode_text",
+    "deduplicate", "iter_documents", "man_command", "parse_args", "split_of", "version_strip",
+]
+
 logger = logging.getLogger(__name__)
 
-MIN_BYTES = 64
-MAX_BYTES = 512 * 1024
 MB = 1_000_000
-SPLIT_FRACTIONS: Mapping[str, float] = MappingProxyType({"test": 0.05, "validation": 0.05, "train": 0.90})
 MIN_HELDOUT_DOCS = 300
-MAN_PER_FAMILY = 20
 DEFAULT_MAX_MAN = 2500
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-_PURE_VERSION = re.compile(r"v?\d+(?:\.\d+)*(?:[-+~][0-9A-Za-z.+~]*)?")
-_PYTHON_VERSION = re.compile(r"^(python|pypy)(\d)\.\d+")
-_DOTTED_VERSION = re.compile(r"(?<=[A-Za-z+])[-_]?v?\d+(?:\.\d+)+(?=$|[-_])")
-_DASH_NUMBER = re.compile(r"^([A-Za-z][A-Za-z+]*)-\d+$")
-_WHITESPACE = re.compile(r"\s+")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One document before deduplication and splitting."""
-
-    domain: str
-    group: str
-    path: str  # version-stripped
-    logical: str
-    text: str
-    origin: str
-
-    @property
-    def priority(self) -> int:
-        return group_priority(self.group)
-
-
-@dataclass
-class DebianFetch:
-    """What the Debian step used: package -> deb file, unpacked roots, failures."""
-
-    used: dict[str, str] = field(default_factory=dict)
-    roots: dict[str, Path] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- paths and splits
-
-
-def _strip_component(component: str) -> str:
-    if _PURE_VERSION.fullmatch(component):
-        return ""
-    component = _PYTHON_VERSION.sub(r"\1\2", component)
-    component = _DOTTED_VERSION.sub("", component)
-    return _DASH_NUMBER.sub(r"\1", component)
-
-
-def version_strip(path: str) -> str:
-    """Remove version numbers from a path's directories (and a trailing .gz).
-
-    `usr/include/c++/12/vector` -> `usr/include/c++/vector`,
-    `lib/python3.11/json/x.py` -> `lib/python3/json/x.py`,
-    `usr/share/cmake-3.25/Modules/FindZLIB.cmake` -> `usr/share/cmake/Modules/FindZLIB.cmake`.
-    """
-    parts = [p for p in path.replace("\\", "/").strip("/").split("/") if p not in ("", ".")]
-    if not parts:
-        return ""
-    name = parts[-1][:-3] if parts[-1].endswith(".gz") else parts[-1]
-    dirs = [s for s in (_strip_component(p) for p in parts[:-1]) if s]
-    return "/".join([*dirs, name])
-
-
-def _unit_hash(text: str, salt: str = "") -> float:
-    digest = hashlib.sha256((salt + text).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def split_of(stripped_path: str) -> str:
-    """The split of a version-stripped path: test 5%, validation 5%, train 90%."""
-    u = _unit_hash(stripped_path)
-    if u < SPLIT_FRACTIONS["test"]:
-        return "test"
-    if u < SPLIT_FRACTIONS["test"] + SPLIT_FRACTIONS["validation"]:
-        return "validation"
-    return "train"
-
-
-def _order_key(stripped_path: str) -> float:
-    """Deterministic sampling order, independent of the split hash."""
-    return _unit_hash(stripped_path, salt="order:")
-
-
-def content_key(text: str) -> str:
-    """sha256 of the whitespace-normalised text (dedupe key)."""
-    return hashlib.sha256(_WHITESPACE.sub(" ", text).strip().encode("utf-8")).hexdigest()
-
-
-# ---------------------------------------------------------------- text hygiene
-
-
-def decode_text(raw: bytes) -> tuple[str | None, str]:
-    """(text, "") for clean UTF-8 text with normalised line endings, else (None, reason)."""
-    if b"\x00" in raw:
-        return None, "binary"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "not-utf8"
-    text = text.replace("\r\n", "\n").replace("\r", "\n").lstrip("\ufeff")
-    size = len(text.encode("utf-8"))
-    if size < MIN_BYTES:
-        return None, "too-small"
-    if size > MAX_BYTES:
-        return None, "too-large"
-    return text, ""
-
-
-def _accept_text(text: str | None, reason: str, excluded: Counter[str]) -> str | None:
-    if text is None:
-        excluded[reason] += 1
-        return None
-    reserved = reserved_text_reason(text)
-    if reserved:
-        excluded[f"reserved-text:{reserved}"] += 1
-        return None
-    return text
 
 
 # ---------------------------------------------------------------- walking
@@ -246,145 +140,6 @@ def scan_files(sources: Sequence[Source], domain: str, excluded: Counter[str]) -
                 if candidate is not None:
                     candidates.append(candidate)
     return candidates, man_pages
-
-
-# ---------------------------------------------------------------- man pages
-
-
-def man_command() -> list[str] | None:
-    """The command that renders a roff file to text on stdout (before `col -bx`), if any."""
-    if shutil.which("man"):
-        return ["man", "-l"]
-    if shutil.which("groff"):
-        return ["groff", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=80n"]
-    return None
-
-
-def _man_raw_head(path: Path) -> bytes:
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as handle:
-            return handle.read(256)
-    except (OSError, EOFError):
-        return b""
-
-
-def render_man(path: Path, command: Sequence[str]) -> str | None:
-    """Render one man page to plain 80-column text (None when it fails or is a `.so` link)."""
-    if _man_raw_head(path).lstrip().startswith(b".so "):
-        return None
-    env = {k: v for k, v in os.environ.items() if k not in ("MAN_KEEP_FORMATTING", "MANPAGER", "PAGER")}
-    env.update(MANWIDTH="80", LC_ALL="C.UTF-8", MANPAGER="cat", PAGER="cat")
-    try:
-        if command[0] == "groff":
-            with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as handle:
-                source = handle.read()
-            rendered = subprocess.run([*command], input=source, capture_output=True, env=env, timeout=60)
-        else:
-            rendered = subprocess.run([*command, str(path)], capture_output=True, env=env, timeout=60)
-        if rendered.returncode != 0 or not rendered.stdout:
-            return None
-        plain = subprocess.run(["col", "-bx"], input=rendered.stdout, capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError, EOFError):
-        return None
-    return plain.stdout.decode("utf-8", errors="replace") if plain.returncode == 0 else None
-
-
-def select_man_pages(pages: Sequence[tuple[Source, Path, str, str]], max_man: int) -> list[tuple[Source, Path, str, str]]:
-    """At most `max_man` pages, one per stripped path, at most MAN_PER_FAMILY per command family."""
-    by_path: dict[str, tuple[Source, Path, str, str]] = {}
-    for page in sorted(pages, key=lambda p: (version_strip(p[2]), p[0].origin, p[2])):
-        by_path.setdefault(version_strip(page[2]), page)
-    families: Counter[tuple[str, str]] = Counter()
-    chosen: list[tuple[Source, Path, str, str]] = []
-    for stripped in sorted(by_path, key=_order_key):
-        section, name = stripped.split("/")[-2:]
-        family = (section, re.split(r"[-_.]", name)[0])
-        if families[family] >= MAN_PER_FAMILY:
-            continue
-        families[family] += 1
-        chosen.append(by_path[stripped])
-        if len(chosen) >= max_man:
-            break
-    return chosen
-
-
-def render_man_pages(pages: Sequence[tuple[Source, Path, str, str]], excluded: Counter[str], workers: int) -> list[Candidate]:
-    """Render pages with a thread pool; return candidates in input order."""
-    command = man_command()
-    if command is None or shutil.which("col") is None:
-        logger.warning("neither man nor groff (with col) available: skipping %d man pages", len(pages))
-        return []
-    out: list[Candidate] = []
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        rendered = pool.map(lambda page: render_man(page[1], command), pages)
-        for (source, _path, rel, group), text in tqdm(zip(pages, rendered), total=len(pages), desc="render man", unit="page"):
-            if text is None:
-                excluded["man-render-failed"] += 1
-                continue
-            accepted = _accept_text(*decode_text(text.encode("utf-8")), excluded)
-            if accepted is not None:
-                out.append(Candidate(source.domain, group, version_strip(rel), rel, accepted, source.origin))
-    return out
-
-
-# ---------------------------------------------------------------- Debian packages
-
-
-def _run(cmd: Sequence[str], cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def _download_deb(package: str, cache_dir: Path, updated: list[bool]) -> Path:
-    existing = sorted(cache_dir.glob(f"{package}_*.deb"))
-    if existing:
-        return existing[-1]
-    result = _run(["apt-get", "download", package], cwd=cache_dir)
-    if result.returncode != 0 and not updated[0]:
-        updated[0] = True
-        logger.info("apt-get download %s failed; running apt-get update once", package)
-        _run(["apt-get", "update"], timeout=900)
-        result = _run(["apt-get", "download", package], cwd=cache_dir)
-    debs = sorted(cache_dir.glob(f"{package}_*.deb"))
-    if result.returncode != 0 or not debs:
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else "apt-get download failed")
-    return debs[-1]
-
-
-def _unpack_deb(deb: Path, target: Path) -> None:
-    marker = target.with_name(target.name + ".unpacked")
-    if target.is_dir() and marker.is_file() and marker.read_text() == deb.name:
-        return
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    result = _run(["dpkg", "-x", str(deb), str(target)])
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr.strip() or "dpkg -x failed")
-    marker.write_text(deb.name)
-
-
-def fetch_debian(packages: Sequence[str], cache_dir: Path) -> DebianFetch:
-    """Download and unpack `packages` into `cache_dir`; failures are logged and recorded."""
-    fetch = DebianFetch()
-    if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
-        logger.warning("apt-get/dpkg not available: using local files only")
-        fetch.failed = {p: "apt-get/dpkg not available" for p in packages}
-        return fetch
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    updated = [False]
-    for package in tqdm(packages, desc="debian", unit="pkg"):
-        try:
-            deb = _download_deb(package, cache_dir, updated)
-            target = cache_dir / "root" / package
-            _unpack_deb(deb, target)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-            logger.warning("Debian package %s unavailable (%s); continuing without it", package, error)
-            fetch.failed[package] = str(error)
-            continue
-        fetch.used[package] = deb.name
-        fetch.roots[package] = target
-    return fetch
 
 
 # ---------------------------------------------------------------- dedupe, split, cap
