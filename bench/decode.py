@@ -2,6 +2,7 @@
 
   python -m bench.decode --model DIR --prompts FILE.jsonl [--batch-size B] [--max-new-tokens N]
                          [--device cpu|cuda] [--limit N] [--dtype float32|bfloat16] [--results FILE]
+                         [--spec-k K [--acceptance greedy|rejection|typical]] [--skip-hf]
 
 Rows are {"prompt": raw text (completion style)}; each prompt is tokenized without special tokens and
 cut to its last 256 tokens. Both sides decode greedily with EOS ignored, so every prompt yields
@@ -10,6 +11,11 @@ transformers gets it left-padded (at B = 1 there is no padding, a fair single-se
 are warmed up once before timing. tok/s is generated tokens over wall time, aggregated over the
 batch; identical is the fraction of prompts whose greedy tokens equal transformers' exactly. The last
 line of output is one JSON object.
+
+With --spec-k K the same prompts also go through the engine with MTP speculation (K drafts per step,
+policy mode "on"), timed in the same run: spec_tok_s, speedup (over the engine without speculation),
+identical_spec (greedy tokens equal to the non-speculative run's), mean_accepted (drafts kept per
+step) and acceptance_by_position (a_j: fraction of depth-j drafts kept when drafted).
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--results", type=Path, default=None, help="append the result as a JSONL row here")
+    parser.add_argument("--spec-k", type=int, default=None, help="also run with K-token MTP speculation")
+    parser.add_argument("--acceptance", choices=["greedy", "rejection", "typical"], default="greedy")
+    parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.batch_size < 1 or args.max_new_tokens < 1:
@@ -104,10 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     ident = checkpoint_id(args.model)
     print(f"loaded checkpoint: {json.dumps(ident)}", flush=True)
 
+    from policies.policy import SpeculationPolicy
     from specialists.engine import Engine  # after the refusal: no model work without weights
 
     dtype = DTYPES[args.dtype]
-    engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size)
+    engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
+                                    policy=SpeculationPolicy(mode="off"))
+    spec_engine = None
+    if args.spec_k is not None:
+        if args.spec_k < 1:
+            print("error: --spec-k must be >= 1", file=sys.stderr)
+            return 2
+        policy = SpeculationPolicy(mode="on", num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
+        spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
+                                             max_num_seqs=args.batch_size, policy=policy)  # refuses without a drafter
     tokenizer = engine.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
@@ -124,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     def run_engine(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
         return engine_generate(engine, batch, max_new)
 
+    def run_spec(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
+        return engine_generate(spec_engine, batch, max_new)
+
     def run_hf(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
         return hf_generate(hf, batch, max_new, pad_id, args.device)
 
@@ -131,27 +153,41 @@ def main(argv: list[str] | None = None) -> int:
     # the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)
     warm = [p[::-1] for p in batches[0]]
     run_engine(warm, min(n, WARMUP_TOKENS))
-    run_hf(warm, min(n, WARMUP_TOKENS))
+    if spec_engine is not None:
+        run_spec(warm, min(n, WARMUP_TOKENS))
+        spec_engine.totals = type(spec_engine.totals)()  # count the timed run only
+    if not args.skip_hf:
+        run_hf(warm, min(n, WARMUP_TOKENS))
     _sync(args.device)
 
     hits_before = engine.stats.get("prefix_hit_tokens", 0)
     ours, t_engine = timed(run_engine, batches, args.device, "engine")
     prefix_hits = engine.stats.get("prefix_hit_tokens", 0) - hits_before
-    theirs, t_hf = timed(run_hf, batches, args.device, "transformers")
     ours_tokens = sum(len(o) for o in ours)
-    hf_tokens = sum(len(o) for o in theirs)
-    same = sum(int(a == b) for a, b in zip(ours, theirs))
     engine_tok_s = ours_tokens / t_engine if t_engine > 0 else 0.0
-    hf_tok_s = hf_tokens / t_hf if t_hf > 0 else 0.0
-    result = {
-        "model": str(args.model),
-        "device": args.device,
-        "batch_size": args.batch_size,
-        "engine_tok_s": round(engine_tok_s, 2),
-        "hf_tok_s": round(hf_tok_s, 2),
-        "ratio": round(engine_tok_s / hf_tok_s, 4) if hf_tok_s > 0 else None,
-        "identical": round(same / len(prompts), 4),
-    }
+    result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
+              "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
+    if not args.skip_hf:
+        theirs, t_hf = timed(run_hf, batches, args.device, "transformers")
+        hf_tokens = sum(len(o) for o in theirs)
+        same = sum(int(a == b) for a, b in zip(ours, theirs))
+        hf_tok_s = hf_tokens / t_hf if t_hf > 0 else 0.0
+        result.update(hf_tok_s=round(hf_tok_s, 2), ratio=round(engine_tok_s / hf_tok_s, 4) if hf_tok_s > 0 else None,
+                      identical=round(same / len(prompts), 4))
+    else:
+        t_hf = 0.0
+    if spec_engine is not None:
+        spec, t_spec = timed(run_spec, batches, args.device, f"engine, speculative K={args.spec_k}")
+        spec_tok_s = sum(len(o) for o in spec) / t_spec if t_spec > 0 else 0.0
+        tot = spec_engine.totals
+        result.update(
+            spec_k=args.spec_k, acceptance=args.acceptance,
+            spec_tok_s=round(spec_tok_s, 2),
+            speedup=round(spec_tok_s / engine_tok_s, 4) if engine_tok_s > 0 else None,
+            identical_spec=round(sum(int(a == b) for a, b in zip(ours, spec)) / len(prompts), 4),
+            mean_accepted=round(tot.mean_accepted, 4),
+            acceptance_by_position=[round(x, 4) for x in tot.acceptance_by_position],
+        )
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": n, "dtype": args.dtype,

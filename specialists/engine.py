@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,9 +24,18 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from policies.gate import SpeculationGate
+from policies.policy import SpeculationPolicy
+from spec.acceptance import TypicalParams
+from spec.speculator import Speculator
+from spec.stats import RequestStats, SpecStats
+from spec.triggers import TriggerSet
+from specialists.chat import EOS_TOKEN, PAD_TOKEN
+from specialists.drafter import PagedDrafter
 from specialists.models.loader import load_model
+from specialists.models.mtp import MissingDrafterError, load_drafter
 from specialists.runner import Runner
-from specialists.sampling import SamplingParams, sample
+from specialists.sampling import SamplingParams
 from specialists.scheduler import Scheduler, Sequence, Status
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
@@ -43,8 +53,17 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" | "length" | None while running
+    finish_reason: str | None  # "stop" | "length" | "tool_calls" | None while running
     finished: bool
+    speculation: str = "off"  # on | off | fallback: what this request used so far
+    stats: RequestStats | None = None  # shared, live: read it, do not keep it across steps
+
+
+def _merge_status(before: str, now: str) -> str:
+    """A request that ever fell back says so; otherwise on if it ever speculated."""
+    if "fallback" in (before, now):
+        return "fallback"
+    return "on" if "on" in (before, now) else "off"
 
 
 @dataclass
@@ -55,10 +74,12 @@ class EngineConfig:
     num_blocks: int | None = None  # default: room for max_num_seqs full-length sequences
     enable_prefix_cache: bool = True
     max_num_batched_tokens: int = 4096
+    check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
 
 
 class Engine:
-    def __init__(self, model, tokenizer, cfg: EngineConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model, tokenizer, cfg: EngineConfig, device: str | torch.device = "cpu",
+                 drafter=None, policy: SpeculationPolicy | None = None, draft_vocab: torch.Tensor | None = None) -> None:
         self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, device
         hybrid = model.num_mamba_layers > 0
         if hybrid and cfg.enable_prefix_cache:
@@ -68,12 +89,28 @@ class Engine:
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = Runner(model, self.kv, self.ssm, device)
-        self.eos_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")) if i is not None}
+        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab)
+                        if drafter is not None else None)
+        if policy is None:
+            policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")
+        if drafter is None and policy.mode != "off":
+            raise MissingDrafterError("speculation needs an MTP drafter; pass one or use mode 'off'")
+        self.gate = SpeculationGate(policy)
+        self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
+        tok = tokenizer.convert_tokens_to_ids
+        eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
+        unk = tokenizer.unk_token_id
+        ids = {name: tok(name) for name in ("<tool_call>", "</tool_call>")}
+        ids = {k: (v if isinstance(v, int) and v != unk else None) for k, v in ids.items()}
+        self.eos_ids = eos
+        self.triggers = TriggerSet(frozenset(eos), ids["<tool_call>"], ids["</tool_call>"])
+        self.totals = SpecStats()
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._step_lock: asyncio.Lock | None = None
         self.steps = 0
+        self.ready = False
 
     @classmethod
     def from_pretrained(
@@ -86,12 +123,50 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         enable_prefix_cache: bool = True,
+        policy: SpeculationPolicy | None = None,
+        load_mtp: bool = True,
+        draft_vocab_size: int | None = None,
     ) -> "Engine":
+        """`policy` None: speculation in the default policy when the checkpoint has a drafter, off
+        otherwise; asking for speculation without a drafter raises MissingDrafterError.
+        `draft_vocab_size`: draft over the first N tokens of mtp_vocab.safetensors (None: all of
+        that file; 0: the whole vocabulary, also what a checkpoint without the file gets)."""
         model = load_model(path, device=device, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         limit = min(model.config.max_position_embeddings, max_model_len or 2048)
         cfg = EngineConfig(max_num_seqs, limit, block_size, num_blocks, enable_prefix_cache)
-        return cls(model, tokenizer, cfg, device)
+        drafter = None
+        if load_mtp and (policy is None or policy.mode != "off"):
+            try:
+                drafter = load_drafter(Path(path), device=device, dtype=dtype)
+            except MissingDrafterError:
+                if policy is not None:
+                    raise
+                log.warning("%s has no MTP drafter: speculation off", path)
+        vocab = None
+        vocab_file = Path(path) / "mtp_vocab.safetensors"
+        if drafter is not None and draft_vocab_size != 0 and vocab_file.is_file():
+            from safetensors.torch import load_file
+
+            vocab = load_file(str(vocab_file))["token_ids"][:draft_vocab_size]
+        return cls(model, tokenizer, cfg, device, drafter, policy, vocab)
+
+    def set_policy(self, policy: SpeculationPolicy) -> None:
+        """Switch the speculation policy live (takes effect at the next step)."""
+        if self.drafter is None and policy.mode != "off":
+            raise MissingDrafterError("this engine has no MTP drafter: only mode 'off' is possible")
+        self.gate.set_policy(policy)
+
+    def warmup(self) -> None:
+        """Runs the prefill, 1-token and (K+1)-token shapes once, then marks the engine ready."""
+        k = self.gate.policy.num_speculative_tokens
+        ids = [self.tokenizer.convert_tokens_to_ids("<|im_start|>")] * 4
+        self.generate([ids], SamplingParams(max_tokens=2 * (k + 2), ignore_eos=True))
+        self.gate.set_policy(self.gate.policy)  # the warm-up's acceptance does not count
+        self.ready = True
+
+    def metrics(self) -> dict:
+        return {**self.stats, **self.totals.as_dict(), "gate": self.gate.snapshot()}
 
     @property
     def stats(self) -> dict:
@@ -115,6 +190,9 @@ class Engine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = Sequence(next(self._ids), rid, ids, params, generator=gen)
+        seq.stats.arrival_time = time.monotonic()
+        seq.stats.prompt_tokens = len(ids)
+        seq.in_tool = self.triggers.open_segment(ids)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -123,43 +201,106 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
+        """One engine step: gate, schedule, draft, verify, accept, cut at triggers, commit, emit."""
+        sched = self.scheduler
+        status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
+        policy = self.gate.policy
+        k = policy.num_speculative_tokens if status == "on" else 0
+        for seq in sched.running:
+            room = min(seq.params.max_tokens - len(seq.output_ids), self.cfg.max_model_len - len(seq.all_ids)) - 1
+            seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
+        step = sched.schedule()
         if step.empty:
-            if self.scheduler.has_unfinished():
+            if sched.has_unfinished():
                 raise RuntimeError("no sequence could be scheduled: the KV cache is too small for the waiting requests")
             return []
-        result = self.runner.run(step)
-        seqs = [s for s, _ in step.prefills] + step.decodes
-        tokens = sample(result.logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()  # the one host sync
-        for seq, written in step.prefills:
-            self.kv.commit(seq.seq_id, written, len(written))
-        for seq in step.decodes:
-            self.kv.commit(seq.seq_id, [seq.output_ids[-1]], 1)
-        if self.ssm is not None and step.decodes:
-            self.ssm.commit([s.ssm_slot for s in step.decodes], [1] * len(step.decodes))
+        now = time.monotonic()
+        for seq, _ in step.prefills:
+            if seq.stats.first_scheduled_time is None:
+                seq.stats.first_scheduled_time = now
+        rebuild = self.drafter is not None and policy.mode != "off"
+        method = "greedy" if policy.acceptance == "greedy" else policy.acceptance
+        typical = TypicalParams(policy.typical.epsilon, policy.typical.delta)
+        rows, out = self.speculator.execute(step.prefills, step.decodes, method, typical, rebuild)
+
+        t0 = time.perf_counter()
+        kept: list[int] = []
+        events: list[str | None] = []
+        drafted = accepted = 0
+        for row, run in zip(rows, out.runs):
+            seq = row.seq
+            n, event = self._cut(seq, run)
+            kept.append(n)
+            events.append(event)
+            a = min(len(run) - 1, n - 1) if row.k else 0  # drafts kept after the cut
+            drafted += row.k
+            accepted += a
+            seq.stats.record(row.k, a, n)
+            self.totals.record(row.k, a, n)
+            if not row.prefill:
+                seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
+        self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
+        for row in rows:
+            row.seq.draft_ok = rebuild
+        outs = [self._emit(row.seq, run[:n], event) for row, run, n, event in zip(rows, out.runs, kept, events)]
+        for row in rows:
+            if row.seq.status is Status.FINISHED:
+                self.speculator.forget(row.seq.seq_id)
+        t_commit = time.perf_counter() - t0
+        for row in rows:
+            row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
+        if drafted:
+            self.gate.observe(drafted, accepted)
+        self.totals.add_times(out.draft_s, out.verify_s, t_commit)
+        if self.cfg.check_invariants:
+            for seq in sched.running:
+                if self.kv.num_computed(seq.seq_id) != len(seq.all_ids) - 1:
+                    raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {len(seq.all_ids) - 1}")
         self.steps += 1
-        outs = [self._append(seq, token) for seq, token in zip(seqs, tokens)]
-        for out in outs:
-            queue = self._queues.get(out.request_id)
+        for o in outs:
+            queue = self._queues.get(o.request_id)
             if queue is not None:
-                queue.put_nowait(out)
+                queue.put_nowait(o)
         return outs
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _cut(self, seq: Sequence, run: list[int]) -> tuple[int, str | None]:
+        """How many run tokens to keep: through the first trigger, the stop string, max_tokens."""
         p = seq.params
-        seq.output_ids.append(token)
+        n, event = self.triggers.cut(run, p.stop_token_ids, p.ignore_eos)
+        limit = min(p.max_tokens - len(seq.output_ids), self.cfg.max_model_len - len(seq.all_ids))
+        if n > limit:
+            n, event = limit, None
+        if p.stop:
+            for i in range(n):
+                text = self.tokenizer.decode(seq.output_ids + run[: i + 1])
+                if any(s in text for s in p.stop):
+                    return i + 1, "stop_string"
+        return n, event
+
+    def _emit(self, seq: Sequence, run: list[int], event: str | None) -> RequestOutput:
+        p = seq.params
+        if seq.stats.first_token_time is None:
+            seq.stats.first_token_time = time.monotonic()
+        seq.output_ids.extend(run)
         reason = None
         visible = seq.output_ids
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if event is not None:
+            seq.stats.trigger_events.append((event, len(seq.output_ids) - 1))
+        if event in ("eos", "stop_token"):
             reason, visible = "stop", seq.output_ids[:-1]
-        elif len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.cfg.max_model_len:
+        elif event == "tool_close":
+            reason = "tool_calls"
+        elif event == "tool_open":
+            seq.in_tool = True
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.cfg.max_model_len):
             reason = "length"
         seq.text = self.tokenizer.decode(visible)
-        if p.stop:
+        if event == "stop_string" or (p.stop and reason is None):
             hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.text, reason = seq.text[: min(hits)], "stop"
         if reason is not None:
+            seq.stats.finished_time = time.monotonic()
             self.scheduler.finish(seq, reason)
         return self._output(seq)
 
@@ -167,7 +308,8 @@ class Engine:
         finished = seq.status is Status.FINISHED
         if finished:
             self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finish_reason, finished)
+        return RequestOutput(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finish_reason,
+                             finished, seq.stats.speculation, seq.stats)
 
     # ---- front ends ----------------------------------------------------------------------------
 

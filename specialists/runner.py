@@ -1,9 +1,11 @@
-"""One model forward for a scheduled step: builds the flattened batch, runs the model, returns the
-logits rows the sampler needs and the last hidden states the drafter will need.
+"""One target forward for a scheduled step: builds the flattened batch, runs the model, returns the
+logits rows acceptance needs and every token's hidden state (the drafter rebuilds its entries from
+them).
 
-On CPU the batch tensors are built fresh each step (cheap at these sizes). The GPU path (static
-buffers padded to batch-size buckets, CUDA graphs for the decode and verify shapes) is the next step
-of the engine issue and plugs in here.
+Rows are prefills (their new tokens; logits of the last one) and decodes / verifies ([last token,
+d1..dk]; logits of each). Draft tokens are still on the device when the batch is built: the host
+puts placeholders and `fill` scatters the drafts in, so no sync is needed between drafting and
+verification.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from specialists.models.batch import ForwardBatch
-from specialists.scheduler import ScheduledStep
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
 
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [B, V] one row per scheduled sequence, prefills first then decodes
-    hidden: torch.Tensor  # [B, d] the final-normed hidden state of each row's last token
+    logits: torch.Tensor  # [n, V] float32, rows at batch.logits_indices (prefill: last token; decode: all)
+    hidden: torch.Tensor  # [T, d] the final-normed hidden state of every token of the batch
+    batch: ForwardBatch
 
 
 class Runner:
@@ -32,11 +34,14 @@ class Runner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> StepResult:
-        rows = [(seq.seq_id, tokens, True) for seq, tokens in step.prefills]
-        rows += [(seq.seq_id, [seq.output_ids[-1]], False) for seq in step.decodes]
-        slots = [seq.ssm_slot for seq, _ in step.prefills] + [seq.ssm_slot for seq in step.decodes]
-        batch = ForwardBatch.from_kv(self.kv, rows, slots if self.ssm is not None else None, self.device)
+    def run(
+        self,
+        rows: list[tuple[int, list[int], bool, int]],  # (seq_id, new token ids, is_prefill, ssm slot)
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,  # (flat token index [n], token id [n]) on device
+    ) -> StepResult:
+        slots = [slot for *_, slot in rows] if self.ssm is not None else None
+        batch = ForwardBatch.from_kv(self.kv, [(sid, toks, pre) for sid, toks, pre, _ in rows], slots, self.device)
+        if fill is not None:
+            batch.input_ids.index_copy_(0, fill[0], fill[1])
         hidden = self.model.forward(batch, self.kv, self.ssm)  # [T, d]
-        last = hidden[batch.logits_indices]  # [B, d]: prefills want their last token, decodes their one token
-        return StepResult(self.model.logits(last).float(), last)
+        return StepResult(self.model.logits(hidden[batch.logits_indices]).float(), hidden, batch)

@@ -17,6 +17,7 @@ from enum import Enum
 
 import torch
 
+from spec.stats import RequestStats
 from specialists.sampling import SamplingParams
 from state.block_pool import NoFreeBlocksError
 from state.kv_cache import KVCache
@@ -43,6 +44,10 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     generator: torch.Generator | None = None
+    spec_k: int = 0  # drafts to verify this step (set by the engine before scheduling)
+    in_tool: bool = False  # inside a tool-call segment: decoded without speculation
+    draft_ok: bool = False  # the drafter's entries cover every committed token
+    stats: RequestStats = field(default_factory=RequestStats)
 
     @property
     def all_ids(self) -> list[int]:
@@ -110,10 +115,13 @@ class Scheduler:
                 continue  # preempted while making room for an earlier one
             while True:
                 try:
-                    self.kv.reserve(seq.seq_id, 1)
+                    self.kv.reserve(seq.seq_id, 1 + seq.spec_k)  # room for [last, d1..dk]
                     scheduled.append(seq)
                     break
                 except NoFreeBlocksError:
+                    if seq.spec_k:  # drop the drafts before preempting anyone
+                        seq.spec_k = 0
+                        continue
                     victim = self.running[-1]
                     self.preempt(victim)
                     if victim is seq:
@@ -121,6 +129,7 @@ class Scheduler:
         return scheduled
 
     def preempt(self, seq: Sequence) -> None:
+        seq.draft_ok = False
         log.info("preempting %s (%d tokens) to free KV blocks", seq.request_id, len(seq.all_ids))
         self.running.remove(seq)
         self.kv.free(seq.seq_id)

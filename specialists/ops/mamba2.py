@@ -164,8 +164,11 @@ def _in_proj(p: Mamba2Params, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     it -- by 2-3 fp32 ulps (1.7e-6 on the shipped cpp model). Rounded from fp64, a row's result
     no longer depends on the batch shape, so a committed conv state equals a fresh prefill's."""
     if u.device.type == "cpu" and u.dtype == torch.float32:
-        b = None if p.in_proj_bias is None else p.in_proj_bias.double()
-        zxbcdt = F.linear(u.double(), p.in_proj_weight.double(), b).float()
+        w64 = p.__dict__.get("_in_proj_fp64")  # converted once, not every call
+        if w64 is None or w64[0].shape != p.in_proj_weight.shape:
+            w64 = (p.in_proj_weight.double(), None if p.in_proj_bias is None else p.in_proj_bias.double())
+            p.__dict__["_in_proj_fp64"] = w64
+        zxbcdt = F.linear(u.double(), w64[0], w64[1]).float()
     else:
         zxbcdt = F.linear(u, p.in_proj_weight, p.in_proj_bias)
     return zxbcdt.split([p.d_inner, p.conv_dim, p.num_heads], dim=-1)

@@ -9,6 +9,7 @@ Commands (each module exposes `cli(argv) -> int`):
   backbone   train a specialist backbone (Llama or Bamba)                      (trainer.py)
   mtp        train the MTP drafter of a trained backbone, backbone frozen      (trainer.py)
   export     assemble a shippable model dir (bf16) with provenance            (export.py)
+  draft-vocab  the drafter's vocabulary (most frequent training tokens)        (draftvocab.py)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _COMMANDS = {
     "backbone": "specialists.train.trainer",
     "mtp": "specialists.train.trainer",
     "export": "specialists.train.export",
+    "draft-vocab": "specialists.train.draftvocab",
 }
 
 

@@ -1,0 +1,185 @@
+"""The runtime gate: whether the next engine step speculates, under a policy that can change live.
+
+mode "on" -> "on", "off" -> "off". mode "auto" -> "on" until either the rolling acceptance
+(accepted / drafted over the last ``window`` drafted tokens, judged only once ``window`` tokens were
+drafted since the last reset) falls below ``min_acceptance``, or the running batch exceeds
+``max_running_batch``; then "fallback" for ``cooldown_s`` seconds, after which the gate probes
+("on") again with a fresh window. The engine calls ``decide`` once per step and ``observe`` after
+each speculative step; ``set_policy`` may come from another thread (Serve's reconfigure, the admin API).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Literal
+
+from policies.policy import SpeculationPolicy
+
+Status = Literal["on", "off", "fallback"]
+Reason = Literal["policy", "probe", "low_acceptance", "large_batch"]
+
+log = logging.getLogger(__name__)
+
+
+class GateInputError(ValueError):
+    """observe() got counts that cannot be: negative, or more accepted than drafted."""
+
+
+class RollingAcceptance:
+    """Accepted/drafted over the last ``window`` drafted tokens.
+
+    Kept per step as (drafted, accepted); when the window overflows, the oldest step is cut down to
+    the tokens that still fit, keeping that step's acceptance rate (its tokens are not ordered)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._steps: deque[tuple[float, float]] = deque()  # (drafted, accepted), oldest first
+        self._drafted = 0.0
+        self._accepted = 0.0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self._steps.append((float(drafted), float(accepted)))
+        self._drafted += drafted
+        self._accepted += accepted
+        while self._drafted > self.window:
+            old_drafted, old_accepted = self._steps.popleft()
+            excess = self._drafted - self.window
+            if excess >= old_drafted:  # the whole step leaves the window
+                self._drafted -= old_drafted
+                self._accepted -= old_accepted
+                continue
+            kept = old_drafted - excess
+            kept_accepted = old_accepted * kept / old_drafted
+            self._steps.appendleft((kept, kept_accepted))
+            self._drafted = float(self.window)
+            self._accepted -= old_accepted - kept_accepted
+        if not self._steps:  # float drift cannot outlive an empty window
+            self._drafted = self._accepted = 0.0
+
+    @property
+    def drafted(self) -> float:
+        return self._drafted
+
+    @property
+    def full(self) -> bool:
+        return self._drafted >= self.window
+
+    @property
+    def rate(self) -> float | None:
+        if self._drafted <= 0:
+            return None
+        return min(1.0, max(0.0, self._accepted / self._drafted))
+
+
+class SpeculationGate:
+    """One specialist's speculation switch: policy + rolling acceptance + fallback timer, under a lock."""
+
+    def __init__(self, policy: SpeculationPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._policy = policy
+        self._window = RollingAcceptance(policy.auto.window)
+        self._status: Status = _base_status(policy)
+        self._since = clock()
+        self._reason: Reason = "policy"
+        self._fallbacks = 0
+        self._drafted_total = 0
+        self._accepted_total = 0
+
+    @property
+    def policy(self) -> SpeculationPolicy:
+        return self._policy
+
+    def set_policy(self, policy: SpeculationPolicy) -> None:
+        """Switch now: the next decide() follows the new policy; the window starts afresh."""
+        with self._lock:
+            old = self._policy
+            self._policy = policy
+            self._window = RollingAcceptance(policy.auto.window)
+            self._enter(_base_status(policy), "policy")
+            status = self._status
+        log.info("speculation policy: mode %s -> %s, status %s", old.mode, policy.mode, status)
+
+    def decide(self, running_batch: int) -> Status:
+        """The status for this engine step; called once per step, before drafting."""
+        with self._lock:
+            if self._policy.mode != "auto":
+                return self._status
+            gating = self._policy.auto
+            if self._status == "fallback":
+                if self._clock() - self._since < gating.cooldown_s:
+                    return "fallback"
+                self._window = RollingAcceptance(gating.window)
+                self._enter("on", "probe")
+            if running_batch > gating.max_running_batch:
+                self._fall_back("large_batch")
+            return self._status
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Counts of one speculative step, summed over its sequences (after trigger truncation)."""
+        if drafted < 0 or not 0 <= accepted <= drafted:
+            raise GateInputError(f"need 0 <= accepted <= drafted, got drafted={drafted} accepted={accepted}")
+        with self._lock:
+            self._drafted_total += drafted
+            self._accepted_total += accepted
+            if self._status == "off" or self._status == "fallback":
+                return  # a step decided before a switch; nothing to judge
+            self._window.add(drafted, accepted)
+            if self._policy.mode != "auto" or not self._window.full:
+                return
+            rate = self._window.rate
+            if rate is not None and rate < self._policy.auto.min_acceptance:
+                self._fall_back("low_acceptance")
+
+    @property
+    def status(self) -> Status:
+        with self._lock:
+            return self._status
+
+    @property
+    def rolling_acceptance(self) -> float | None:
+        """accepted/drafted over the current window (however full); None before any drafting."""
+        with self._lock:
+            return self._window.rate
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /admin and metrics."""
+        with self._lock:
+            now = self._clock()
+            p = self._policy
+            return {
+                "mode": p.mode,
+                "status": self._status,
+                "reason": self._reason,
+                "since": self._since,
+                "seconds_in_status": now - self._since,
+                "probe_in_s": max(0.0, self._since + p.auto.cooldown_s - now) if self._status == "fallback" else None,
+                "rolling_acceptance": self._window.rate,
+                "window_drafted": self._window.drafted,
+                "window": p.auto.window,
+                "fallbacks": self._fallbacks,
+                "drafted_total": self._drafted_total,
+                "accepted_total": self._accepted_total,
+                "num_speculative_tokens": p.num_speculative_tokens,
+                "acceptance": p.acceptance,
+            }
+
+    def _fall_back(self, reason: Reason) -> None:  # under the lock
+        self._fallbacks += 1
+        log.info("speculation fallback (%s), rolling acceptance %s", reason, self._window.rate)
+        self._enter("fallback", reason)
+
+    def _enter(self, status: Status, reason: Reason) -> None:  # under the lock
+        self._status = status
+        self._reason = reason
+        self._since = self._clock()
+
+
+def _base_status(policy: SpeculationPolicy) -> Status:
+    return "off" if policy.mode == "off" else "on"

@@ -1,0 +1,317 @@
+"""OpenAI-compatible request, response and error schemas (pydantic v2), and the typed errors the
+HTTP layer turns into OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
+
+Requests ignore fields they do not know (the official client sends new fields over time); fields
+that change the meaning of a request and are not supported (n > 1, logprobs) are refused with 400.
+Responses carry a few extra fields, which the openai client keeps as extras:
+`message.tool_call_errors` (tool calls whose arguments do not fit the tool's schema), and on the
+final streamed chunk `speculation` (what the request actually used).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error fields."""
+
+    status_code: int = 400
+    error_type: str = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.error_type, param=self.param,
+                                               code=self.code)).model_dump()
+
+
+class BadRequestError(APIError):
+    status_code = 400
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(APIError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class UnprocessableError(APIError):
+    status_code = 422
+
+
+class ServiceUnavailableError(APIError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5, code: str | None = "not_ready") -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
+class InternalError(APIError):
+    status_code = 500
+    error_type = "internal_error"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function. Only `name` is required; `parameters` may be any JSON object (quirks
+    such as `"type": "dict"` are repaired in router/tools.py, not rejected here)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _parameters_text(cls, v: Any) -> Any:
+        """Some clients send the schema as JSON text."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except ValueError:
+                raise ValueError("parameters is a string that is not a JSON object") from None
+        return v
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_function(cls, data: Any) -> Any:
+        """A bare function dict ({"name", "parameters", ...}) is wrapped, as the chat template does."""
+        if isinstance(data, dict) and "function" not in data and "name" in data:
+            return {"type": "function", "function": data}
+        return data
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # a JSON string per OpenAI; a dict is tolerated
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One input message. Content is a string, None, or a list of content parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # extension (vLLM style)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class ToolCallError(BaseModel):
+    """A tool call whose arguments are not valid for the tool (or that did not parse at all)."""
+
+    index: int  # position among the reply's tool calls (-1 when it is not in tool_calls)
+    name: str | None
+    error: str
+    raw: str
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+    tool_call_errors: list[ToolCallError] | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    model_config = ConfigDict(extra="allow")  # final chunk: speculation, tool_call_errors
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cantata"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

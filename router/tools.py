@@ -1,0 +1,415 @@
+"""Tools between OpenAI's API and the chat template: schemas, tool_choice, message mapping, tool-call
+extraction from generated text, and streaming tool-call deltas.
+
+* `prompt_tools` gives the tool list the template renders: the function's name, description and a
+  repaired parameters schema (`"type": "dict"` and friends become JSON-schema types, a missing
+  schema becomes an empty object schema, keys the template never saw in training are dropped).
+* `plan_tools` turns `tools` + `tool_choice` into a `ToolPlan`: which tools go into the prompt,
+  which forced prefix ends the prompt (`required`: `<tool_call>{"name": "`, a named function:
+  `<tool_call>{"name": "<fn>", "arguments":`, without a trailing space, which would split the
+  tokenizer's ' {"' token), and whether output is parsed for calls.
+* `to_template_messages` maps OpenAI messages (assistant `tool_calls`, `role: "tool"` results,
+  content parts, `developer`) onto what `specialists.chat.render` expects.
+* `extract_tool_calls` (whole reply) and `ToolCallStreamer` (deltas) share `convert_call`, so a
+  streamed reply and a non-streamed one report the same calls and the same argument errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.api import (
+    BadRequestError,
+    ChatCompletionRequest,
+    ChatMessage,
+    Delta,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFunctionCall,
+    ResponseToolCall,
+    ToolCallError,
+    ToolDefinition,
+    tool_call_id,
+)
+from specialists.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedToolCall, parse_tool_calls, validate_arguments
+
+# ---- schemas -------------------------------------------------------------------------------------
+
+_TYPE_ALIASES = {
+    "dict": "object", "map": "object", "obj": "object",
+    "list": "array", "tuple": "array", "set": "array",
+    "str": "string", "text": "string",
+    "int": "integer", "long": "integer",
+    "float": "number", "double": "number", "decimal": "number",
+    "bool": "boolean",
+    "none": "null", "nonetype": "null",
+    "any": None,  # no constraint
+}
+_JSON_TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+
+
+def _fix_type(t: Any) -> Any:
+    """A JSON-schema type from a type name real clients send ("dict", "int", "List", ...)."""
+    if isinstance(t, list):
+        fixed = [_fix_type(x) for x in t]
+        return [x for x in fixed if x is not None] or None
+    if not isinstance(t, str):
+        return None
+    low = t.strip().lower()
+    if low in _JSON_TYPES:
+        return low
+    return _TYPE_ALIASES.get(low.split("[")[0], None)
+
+
+def sanitize_schema(schema: Any, depth: int = 0) -> dict[str, Any]:
+    """Repair a JSON schema from a real client so the template and `jsonschema` both accept it.
+
+    Type names are mapped to JSON-schema types (unknown ones dropped); a property-level
+    `"required": true` (an old convention) moves into the parent's `required` list; nested
+    properties, items and combinators are repaired recursively; non-dict input becomes `{}`.
+    """
+    if not isinstance(schema, Mapping) or depth > 32:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "type":
+            fixed = _fix_type(value)
+            if fixed is not None:
+                out["type"] = fixed
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {str(k): sanitize_schema(v, depth + 1) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [sanitize_schema(v, depth + 1) for v in value]
+        elif key in _SCHEMA_ONES:
+            if isinstance(value, bool) and key == "additionalProperties":
+                out[key] = value
+            elif isinstance(value, list) and key == "items":  # draft-4 tuple form
+                out["prefixItems"] = [sanitize_schema(v, depth + 1) for v in value]
+            elif isinstance(value, Mapping):
+                out[key] = sanitize_schema(value, depth + 1)
+        elif key == "required":
+            if isinstance(value, list):
+                out[key] = [str(v) for v in value if isinstance(v, str)]
+        elif key == "enum":
+            if isinstance(value, list) and value:
+                out[key] = value
+        else:
+            out[key] = value
+    props = out.get("properties")
+    if isinstance(props, dict):
+        flagged = [k for k, v in schema.get("properties", {}).items()
+                   if isinstance(v, Mapping) and v.get("required") is True]
+        if flagged:
+            out["required"] = list(dict.fromkeys([*out.get("required", []), *flagged]))
+        out.setdefault("type", "object")
+    if "required" in out and isinstance(props, dict) and out.get("additionalProperties") is False:
+        out["required"] = [r for r in out["required"] if r in props]
+    return out
+
+
+def parameters_of(fn_parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The repaired parameters schema of one function (an empty object schema when missing)."""
+    schema = sanitize_schema(fn_parameters or {})
+    if not schema:
+        return {"type": "object", "properties": {}}
+    if "type" not in schema and not any(k in schema for k in _SCHEMA_LISTS):
+        schema = {"type": "object", **schema}
+    return schema
+
+
+def prompt_tool(tool: ToolDefinition) -> dict[str, Any]:
+    """One tool as the template renders it (only the keys it was trained on)."""
+    fn: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description:
+        fn["description"] = tool.function.description
+    fn["parameters"] = parameters_of(tool.function.parameters)
+    return {"type": "function", "function": fn}
+
+
+def prompt_tools(tools: Sequence[ToolDefinition]) -> list[dict[str, Any]]:
+    return [prompt_tool(t) for t in tools]
+
+
+# ---- tool_choice ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools and tool_choice mean for the prompt and for the reply."""
+
+    prompt_tools: list[dict[str, Any]] | None  # rendered in the system turn (None: no tools)
+    forced_prefix: str = ""  # appended to the prompt and prepended to the output
+    parse_calls: bool = False  # look for <tool_call> blocks in the output
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> repaired parameters
+    parallel: bool = True  # False: keep the first call only
+
+    @property
+    def forced(self) -> bool:
+        return bool(self.forced_prefix)
+
+
+def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
+    tools = request.tools or []
+    choice = request.tool_choice
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise BadRequestError("tool names must be unique", param="tools")
+    if not tools:
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            raise BadRequestError("tool_choice requires tools", param="tool_choice")
+        return ToolPlan(prompt_tools=None)
+    if choice == "none":
+        return ToolPlan(prompt_tools=None)
+    rendered = prompt_tools(tools)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in rendered}
+    parallel = request.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in schemas:
+            raise BadRequestError(f"tool_choice names {name!r}, which is not among the tools {names}",
+                                  param="tool_choice")
+        # No space after the colon: the tokenizer makes ' {"' one token, so a prompt ending in a space
+        # would split it (the model then continues badly); the model writes ' {"' itself.
+        prefix = f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
+        return ToolPlan(rendered, prefix, True, schemas, parallel)
+    if choice == "required":
+        return ToolPlan(rendered, f'{TOOL_CALL_OPEN}{{"name": "', True, schemas, parallel)
+    return ToolPlan(rendered, "", True, schemas, parallel)
+
+
+# ---- messages ------------------------------------------------------------------------------------
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def content_text(content: str | list[dict[str, Any]] | None, param: str) -> str:
+    """A message's text: a string, None, or text content parts (other parts are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise BadRequestError(f"content part type {kind!r} is not supported (text only)", param=f"{param}[{i}]")
+    return "".join(texts)
+
+
+def _call_arguments(arguments: str | dict[str, Any] | None) -> dict[str, Any] | str:
+    """Arguments of an assistant tool call for the template: the parsed object when it is JSON (so
+    it renders in the trained form), else the text as given."""
+    if arguments is None:
+        return {}
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def to_template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the chat template's messages (roles system/user/assistant/tool)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        text = content_text(m.content, f"messages[{i}].content")
+        if m.role in ("system", "developer"):
+            out.append({"role": "system", "content": text})
+        elif m.role == "user":
+            out.append({"role": "user", "content": text})
+        elif m.role in ("tool", "function"):
+            out.append({"role": "tool", "content": text})
+        else:
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    {"type": "function",
+                     "function": {"name": c.function.name, "arguments": _call_arguments(c.function.arguments)}}
+                    for c in m.tool_calls
+                ]
+            out.append(msg)
+    return out
+
+
+# ---- calls in the output -------------------------------------------------------------------------
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"arguments"\s*:\s*(.*)$', re.S)
+
+
+def _recover(raw: str) -> tuple[str | None, str]:
+    """Name and argument text of a call whose JSON did not parse (best effort)."""
+    m = _NAME.search(raw)
+    name = None
+    if m:
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            name = m.group(1)
+    a = _ARGS.search(raw)
+    args = a.group(1).strip() if a else ""
+    if args.endswith("}") and args.count("{") < args.count("}"):
+        args = args[:-1].rstrip()
+    return name, args
+
+
+def convert_call(parsed: ParsedToolCall, plan: ToolPlan, index: int) -> tuple[ResponseToolCall | None, ToolCallError | None]:
+    """One parsed <tool_call> block -> an OpenAI tool call and/or the error that goes with it.
+
+    A call with a name is always returned (its arguments as the model wrote them); arguments that
+    are not a JSON object, or that do not satisfy the tool's schema, and names that were not
+    offered, come back as a ToolCallError beside it. A block without a name is an error only.
+    """
+    if parsed.ok and parsed.name is not None and parsed.arguments is not None:
+        call = ResponseToolCall(id=tool_call_id(), function=ResponseFunctionCall(
+            name=parsed.name, arguments=json.dumps(parsed.arguments, ensure_ascii=False)))
+        if parsed.name not in plan.schemas:
+            return call, ToolCallError(index=index, name=parsed.name, raw=parsed.raw,
+                                       error=f"unknown tool {parsed.name!r}; offered: {sorted(plan.schemas)}")
+        problem = validate_arguments(parsed.arguments, plan.schemas[parsed.name])
+        err = None if problem is None else ToolCallError(index=index, name=parsed.name, raw=parsed.raw,
+                                                         error=f"arguments do not match the schema: {problem}")
+        return call, err
+    name = parsed.name
+    args_text = ""
+    if name is None:
+        name, args_text = _recover(parsed.raw)
+    error = parsed.error or "invalid tool call"
+    if not name:
+        return None, ToolCallError(index=-1, name=None, raw=parsed.raw, error=error)
+    call = ResponseToolCall(id=tool_call_id(), function=ResponseFunctionCall(name=name, arguments=args_text))
+    return call, ToolCallError(index=index, name=name, raw=parsed.raw, error=error)
+
+
+@dataclass
+class ExtractedCalls:
+    content: str | None
+    calls: list[ResponseToolCall]
+    errors: list[ToolCallError]
+
+
+def extract_tool_calls(text: str, plan: ToolPlan) -> ExtractedCalls:
+    """A whole reply (forced prefix included) -> content, tool calls and argument errors."""
+    if not plan.parse_calls:
+        return ExtractedCalls(text, [], [])
+    content, parsed = parse_tool_calls(text)
+    calls: list[ResponseToolCall] = []
+    errors: list[ToolCallError] = []
+    for p in parsed:
+        if calls and not plan.parallel:
+            break
+        call, err = convert_call(p, plan, len(calls))
+        if err is not None:
+            errors.append(err)
+        if call is not None:
+            calls.append(call)
+    return ExtractedCalls(content or (None if calls else ""), calls, errors)
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallStreamer:
+    """Turns streamed text into OpenAI deltas: content deltas, and for each completed
+    `<tool_call>...</tool_call>` block two tool-call deltas (id, type and name first, then the
+    arguments), as OpenAI streams them. Text that might start a `<tool_call>` tag is held back
+    until it is known not to."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._buf = ""
+        self._in_call = False
+        self.calls: list[ResponseToolCall] = []
+        self.errors: list[ToolCallError] = []
+        self._stopped = False  # parallel=False and a call was emitted
+
+    def feed(self, text: str) -> list[Delta]:
+        if not text:
+            return []
+        if not self.plan.parse_calls:
+            return [Delta(content=text)]
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Delta]:
+        """Flush at the end of the reply: held-back text, and an unterminated call as an error."""
+        if not self.plan.parse_calls:
+            return []
+        out = self._drain(final=True)
+        if self._in_call and not self._stopped:
+            deltas = self._emit_call(ParsedToolCall(None, None, self._buf, "unterminated tool call"))
+            out += deltas
+        self._buf, self._in_call = "", False
+        return out
+
+    @property
+    def finish_reason_override(self) -> str | None:
+        return "tool_calls" if self.calls else None
+
+    def _drain(self, final: bool) -> list[Delta]:
+        out: list[Delta] = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_CLOSE):]
+                self._in_call = False
+                if not self._stopped:
+                    out += self._emit_call(_parse_block(body))
+                continue
+            start = self._buf.find(TOOL_CALL_OPEN)
+            if start >= 0:
+                before = self._buf[:start]
+                self._buf = self._buf[start + len(TOOL_CALL_OPEN):]
+                self._in_call = True
+                if before and not self._stopped:
+                    out.append(Delta(content=before))
+                continue
+            keep = 0 if final else _held_back(self._buf, TOOL_CALL_OPEN)
+            text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            text = text.replace(TOOL_CALL_CLOSE, "")
+            if text and not self._stopped:
+                out.append(Delta(content=text))
+            return out
+
+    def _emit_call(self, parsed: ParsedToolCall) -> list[Delta]:
+        call, err = convert_call(parsed, self.plan, len(self.calls))
+        if err is not None:
+            self.errors.append(err)
+        if call is None:
+            return []
+        index = len(self.calls)
+        self.calls.append(call)
+        if not self.plan.parallel:
+            self._stopped = True
+        return [
+            Delta(tool_calls=[DeltaToolCall(index=index, id=call.id, type="function",
+                                            function=DeltaFunctionCall(name=call.function.name, arguments=""))]),
+            Delta(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.function.arguments))]),
+        ]
+
+
+def _parse_block(body: str) -> ParsedToolCall:
+    """One `<tool_call>` body, parsed exactly as `parse_tool_calls` parses it."""
+    _, calls = parse_tool_calls(f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}")
+    return calls[0] if calls else ParsedToolCall(None, None, body, "empty tool call")

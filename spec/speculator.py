@@ -1,0 +1,171 @@
+"""One engine step for a batch: draft -> verify -> accept -> (the engine cuts at triggers) -> commit /
+roll back. Independent of any one model: it drives a runner (target forward over paged KV), a paged
+drafter and the KV / SSM caches through their interfaces.
+
+  rows, out = speculator.execute(prefills, decodes, method, typical)   # device work, one host sync
+  kept = [engine cuts each run at its first trigger / stop / max_tokens]
+  speculator.commit(rows, kept)                                       # KV + SSM at exactly `kept`
+
+Per decode row with k drafts the target verifies [last, d1..dk]; acceptance keeps a drafts and adds
+one target token, so the run is a+1 tokens. Committing r <= a+1 of them keeps the KV and SSM state of
+[last, d1..d_{r-1}] (r tokens; the r-th run token is the next step's input) and rolls back the rest.
+Prefill rows are runs of one sampled token. The drafter's entries for every token the target ran are
+rebuilt from the target's hidden states before the sync, and each sequence's next chain starts from
+the entry at its committed end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spec.acceptance import TypicalParams, accept
+
+
+@dataclass
+class Row:
+    seq: Any  # specialists.scheduler.Sequence: seq_id, ssm_slot, output_ids, params, generator, spec_k
+    prefill: bool
+    tokens: list[int]  # the new tokens fed this step (prefill) or [last] + k placeholders
+    k: int  # drafts verified (0 for prefills and plain decodes)
+    t0: int  # flat index of the row's first token in the batch
+
+
+@dataclass
+class StepOutput:
+    runs: list[list[int]]  # [B] kept drafts + the target's token, before trigger truncation
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    drafts: list[list[int]] = field(default_factory=list)  # [B] the verified drafts (host), for commit
+
+
+class Speculator:
+    def __init__(self, runner: Any, kv: Any, ssm: Any | None, drafter: Any | None) -> None:
+        self.runner, self.kv, self.ssm, self.drafter = runner, kv, ssm, drafter
+        self.device = runner.device
+        self._draft_out: torch.Tensor | None = None  # [T_prev, d] the last rebuild's entry outputs
+        self._draft_index: dict[int, int] = {}  # seq_id -> row of _draft_out at its committed end
+
+    def forget(self, seq_id: int) -> None:
+        self._draft_index.pop(seq_id, None)
+
+    # ---- device work -------------------------------------------------------------------------
+
+    def execute(
+        self,
+        prefills: list[tuple[Any, list[int]]],  # (sequence, tokens to prefill)
+        decodes: list[Any],  # sequences; seq.spec_k drafts each (0 = plain decode)
+        method: str = "greedy",  # acceptance for sampled requests: rejection | typical (greedy rows are exact)
+        typical: TypicalParams = TypicalParams(),
+        rebuild: bool = True,  # run the drafter's rebuild (False when speculation is off for good)
+    ) -> tuple[list[Row], StepOutput]:
+        dev = self.device
+        rows: list[Row] = []
+        t = 0
+        for seq, toks in prefills:
+            rows.append(Row(seq, True, list(toks), 0, t))
+            t += len(toks)
+        for seq in decodes:
+            k = seq.spec_k if self.drafter is not None and seq.draft_ok else 0
+            rows.append(Row(seq, False, [seq.output_ids[-1]] + [0] * k, k, t))
+            t += 1 + k
+        kmax = max((r.k for r in rows), default=0)
+
+        t_draft = time.perf_counter()
+        fill = None
+        drafts = None
+        spec_rows = [r for r in rows if r.k > 0]
+        if spec_rows:
+            drafts = self._draft(spec_rows, kmax)  # [S, kmax]
+            idx, src = [], []
+            for i, r in enumerate(spec_rows):
+                idx.extend(range(r.t0 + 1, r.t0 + 1 + r.k))
+                src.extend(range(i * kmax, i * kmax + r.k))
+            fill = (torch.tensor(idx, dtype=torch.int64, device=dev), drafts.reshape(-1)[torch.tensor(src, device=dev)])
+        t_verify = time.perf_counter()
+
+        res = self.runner.run([(r.seq.seq_id, r.tokens, r.prefill, r.seq.ssm_slot) for r in rows], fill)
+        B = len(rows)
+        # target logits padded to [B, kmax+1, V]: row j of a row with k < j repeats its last row (ignored)
+        lidx, n = [], 0
+        for r in rows:
+            m = 1 if r.prefill else 1 + r.k
+            lidx.append([n + min(j, m - 1) for j in range(kmax + 1)])
+            n += m
+        target = res.logits[torch.tensor(lidx, device=dev)]  # [B, kmax+1, V]
+        draft_tokens = torch.zeros(B, max(kmax, 1), dtype=torch.int64, device=dev)
+        if drafts is not None:
+            spec_pos = torch.tensor([i for i, r in enumerate(rows) if r.k > 0], device=dev)
+            draft_tokens[spec_pos, :kmax] = drafts
+        num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)
+        params = [r.seq.params for r in rows]
+        result = accept(target, draft_tokens[:, :kmax], num_drafts, params, [method] * B,
+                        [r.seq.generator for r in rows], typical=typical)
+
+        if rebuild and self.drafter is not None:
+            self._rebuild(rows, res, result.tokens, kmax)
+        packed = torch.cat([result.num_accepted[:, None], result.tokens], dim=1)
+        if drafts is not None:
+            packed = torch.cat([packed, draft_tokens[:, :kmax]], dim=1)
+        host = packed.tolist()  # the one host sync of the step
+        t_end = time.perf_counter()
+
+        runs, dlist = [], []
+        for r, h in zip(rows, host):
+            a = h[0]
+            runs.append(h[1 : a + 2])
+            dlist.append(h[2 + kmax : 2 + kmax + r.k] if drafts is not None else [])
+        return rows, StepOutput(runs, t_verify - t_draft, t_end - t_verify, dlist)
+
+    def _draft(self, spec_rows: list[Row], kmax: int) -> torch.Tensor:  # -> [S, kmax] drafts
+        dev = self.device
+        prev = self._draft_out[torch.tensor([self._draft_index[r.seq.seq_id] for r in spec_rows], device=dev)]
+        committed = [self.kv.num_computed(r.seq.seq_id) for r in spec_rows]
+        tables_host = [self.kv.block_table(r.seq.seq_id) for r in spec_rows]
+        width = max(len(tb) for tb in tables_host)
+        tables = torch.tensor([tb + [0] * (width - len(tb)) for tb in tables_host], dtype=torch.int32, device=dev)
+        return self.drafter.chain(prev, committed, tables, kmax)
+
+    def _rebuild(self, rows: list[Row], res: Any, tokens: torch.Tensor, kmax: int) -> None:
+        """Drafter entries for every token of the batch: (its hidden, the token after it)."""
+        T = res.hidden.shape[0]
+        src: list[int] = []
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            base = T + b * (kmax + 1)
+            if r.prefill:
+                src.extend(range(r.t0 + 1, r.t0 + n))  # the prompt shifted by one
+                src.append(base)  # then the sampled token
+            else:
+                src.extend(range(base, base + n))  # kept drafts and the target's token
+        pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
+        next_tokens = pool[torch.tensor(src, dtype=torch.int64, device=self.device)]
+        self._draft_out = self.drafter.rebuild(res.batch, res.hidden, next_tokens)
+
+    # ---- host bookkeeping --------------------------------------------------------------------
+
+    def commit(self, rows: list[Row], out: StepOutput, kept: list[int], rebuilt: bool) -> None:
+        """Keeps `kept[b]` run tokens of row b (1 <= kept <= len(run), or 0 for a finished row that
+        commits nothing more): KV and SSM state of exactly the committed tokens, the rest rolled back."""
+        slots, counts = [], []
+        self._draft_index.clear()
+        for r, run, drafts, m in zip(rows, out.runs, out.drafts, kept):
+            sid = r.seq.seq_id
+            if r.prefill:
+                self.kv.commit(sid, r.tokens, len(r.tokens))
+                end = r.t0 + len(r.tokens) - 1
+            else:
+                written = [r.tokens[0]] + (drafts if r.k else [])
+                m = max(m, 1)  # the fed token is always committed (it was emitted last step)
+                self.kv.commit(sid, written, m)
+                if self.ssm is not None:
+                    slots.append(r.seq.ssm_slot)
+                    counts.append(m)
+                end = r.t0 + m - 1
+            if rebuilt:
+                self._draft_index[sid] = end
+        if self.ssm is not None and slots:
+            self.ssm.commit(slots, counts)

@@ -1,0 +1,634 @@
+"""One specialist as a Ray Serve deployment: engine thread, warm-up, readiness, live policy, traced
+and measured generation.
+
+Layout of this file:
+* `EngineLoop`: a background thread that owns the Engine and runs its steps, so the replica's event
+  loop stays responsive while the (synchronous) forward passes run. Everything that touches the
+  engine runs in that thread (adding requests, steps, policy changes, warm-up); callers get an
+  asyncio.Queue of `Admitted`, `Snapshot` and `Failed` items. Snapshots copy the engine's live
+  statistics inside the thread.
+* `GenerateRequest` / `GenerateEvent`: what the router sends and what comes back, as dicts.
+* `Specialist`: plain Python (usable without Ray); `specialist_deployment()` wraps it with
+  `serve.deployment`. Warm-up runs in the engine thread right after the model loads; until it is
+  done `ready()` is False and `generate` answers with a 503 event. `reconfigure(user_config)` (Serve,
+  on start and on every `serve deploy`) and `set_policy` (the admin API) switch the speculation
+  policy live. Each generation is one span under the router's (trace context carried in the
+  request) with queue, prefill and decode children; metrics go through ray.serve.metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from policies.policy import SpeculationPolicy
+from specialists.sampling import SamplingParams
+from specialists.telemetry import (
+    TRACER_NAME,
+    GenerationTimeline,
+    extract_context,
+    record_generation_spans,
+    stats_dict,
+    tracer_provider_from_env,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# ---- the engine thread ---------------------------------------------------------------------------
+
+
+class EngineLoopStopped(RuntimeError):
+    """The engine thread is not running (stopped, or died on an error)."""
+
+
+@dataclass
+class Admitted:
+    """The engine took the request (tokenized and queued it)."""
+
+    time_ns: int
+
+
+@dataclass
+class Snapshot:
+    """One output of the request: cumulative text and token count."""
+
+    time_ns: int
+    prompt_tokens: int
+    num_tokens: int
+    text: str
+    finish_reason: str | None
+    finished: bool
+    speculation: str
+    stats: dict[str, Any] = field(default_factory=dict)  # only on the finished snapshot
+
+
+@dataclass
+class Failed:
+    """The request could not be served: status 400 for a bad request, 500 for an engine error."""
+
+    status: int
+    message: str
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, name: str = "engine", request_error: type[Exception] = ValueError) -> None:
+        self.engine = engine
+        self.name = name
+        self._request_error = request_error
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-loop-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- calls from other threads ----------------------------------------------------------------
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` in the engine thread between steps; its result or exception in the future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.alive:
+            fut.set_exception(EngineLoopStopped(f"{self.name}: engine thread stopped ({self.error!r})"))
+            return fut
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+        self._post(run)
+        return fut
+
+    async def acall(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
+        """Queue a request; must be called from a running event loop, whose queue gets the items."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        if not self.alive:
+            sink.queue.put_nowait(Failed(503, f"{self.name}: engine thread stopped"))
+            return sink.queue
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt, params, request_id)
+            except self._request_error as exc:
+                sink.put(Failed(400, str(exc)))
+                return
+            except Exception as exc:  # noqa: BLE001 - a bad request must not end the loop
+                log.exception("%s: add_request failed", self.name)
+                sink.put(Failed(500, f"{type(exc).__name__}: {exc}"))
+                return
+            self._sinks[request_id] = sink
+            sink.put(Admitted(time.time_ns()))
+
+        self._post(add)
+        return sink.queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop delivering outputs of a request (and stop it, when the engine can)."""
+
+        def drop() -> None:
+            self._sinks.pop(request_id, None)
+            stop = getattr(self.engine, "abort", None) or getattr(self.engine, "abort_request", None)
+            if stop is not None:
+                stop(request_id)
+
+        if self.alive:
+            self._post(drop)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        self._inbox.put(fn)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if self.engine.has_unfinished():
+                    self._step()
+                else:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - recorded, reported by check_health
+            log.exception("%s: engine loop died", self.name)
+            self.error = exc
+            for sink in self._sinks.values():
+                sink.put(Failed(500, f"engine error: {type(exc).__name__}: {exc}"))
+            self._sinks.clear()
+            self._fail_inbox(exc)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _fail_inbox(self, exc: BaseException) -> None:
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                return
+            except BaseException:  # noqa: BLE001 - best effort after a crash
+                log.debug("inbox item failed after the engine loop died", exc_info=True)
+
+    def _step(self) -> None:
+        outs = self.engine.step()
+        now = time.time_ns()
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+            if sink is None:
+                continue
+            stats = stats_dict(getattr(out, "stats", None)) if out.finished else {}
+            sink.put(Snapshot(now, len(out.prompt_token_ids), len(out.token_ids), out.text, out.finish_reason, out.finished,
+                              str(getattr(out, "speculation", "off") or "off"), stats))
+
+
+# ---- the request and its events ------------------------------------------------------------------
+
+
+class SpecialistNotReady(RuntimeError):
+    """The specialist has not finished warming up."""
+
+
+class GenerateRequest(BaseModel):
+    """What the router sends a specialist: the rendered prompt and sampling settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    trace_context: dict[str, str] = Field(default_factory=dict)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop=list(self.stop))
+
+
+class GenerateEvent(BaseModel):
+    """One item of a specialist's stream (sent as a dict through the Serve handle).
+
+    start: admitted, `speculation` is the gate's status at admission;
+    text: `text` is new text, `completion_tokens` the tokens so far, `speculation` so far;
+    end: `finish_reason`, `speculation` (what the request used), token counts, engine `stats`;
+    error: `status` (400 bad request, 503 not ready, 500 engine error) and `message`.
+    """
+
+    type: Literal["start", "text", "end", "error"]
+    specialist: str
+    text: str = ""
+    speculation: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    stats: dict[str, Any] = Field(default_factory=dict)
+    status: int = 0
+    message: str = ""
+
+
+class TextDeltas:
+    """New text from cumulative snapshots: an unfinished snapshot holds back a trailing partial UTF-8
+    character and any tail that may begin a stop string, so nothing sent is ever taken back."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.sent = ""
+
+    def update(self, text: str, finished: bool) -> str:
+        stable = text
+        if not finished:
+            stable = stable.rstrip("\ufffd")
+            hold = max((_suffix_prefix(stable, s) for s in self.stop), default=0)
+            stable = stable[: len(stable) - hold]
+        if not stable.startswith(self.sent):
+            log.warning("text changed behind what was streamed (%r -> %r); sending nothing for it", self.sent, stable)
+            return ""
+        delta, self.sent = stable[len(self.sent):], stable
+        return delta
+
+
+def _suffix_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+class SpecialistMetrics(Protocol):
+    def observe(self, ttft_s: float | None, inter_token_s: list[float], completion_tokens: int, decode_s: float,
+                stats: dict[str, Any], speculation: str) -> None: ...
+
+    def set_status(self, status: str) -> None: ...
+
+
+class NullMetrics:
+    def observe(self, ttft_s: float | None, inter_token_s: list[float], completion_tokens: int, decode_s: float,
+                stats: dict[str, Any], speculation: str) -> None:
+        return None
+
+    def set_status(self, status: str) -> None:
+        return None
+
+
+_LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+SPECULATION_STATUSES = ("on", "off", "fallback")
+
+
+class ServeMetrics:
+    """Per-specialist metrics through ray.serve.metrics (exported with Ray's metrics)."""
+
+    def __init__(self, specialist: str) -> None:
+        from ray.serve import metrics
+
+        self.tags = {"specialist": specialist}
+        keys = ("specialist",)
+        self.ttft = metrics.Histogram("cantata_ttft_s", "Time to first token (s).", _LATENCY_BOUNDARIES, keys)
+        self.itl = metrics.Histogram("cantata_inter_token_latency_s", "Time between tokens (s).",
+                                     _LATENCY_BOUNDARIES, keys)
+        self.tokens = metrics.Counter("cantata_generated_tokens", "Tokens generated.", keys)
+        self.requests = metrics.Counter("cantata_requests", "Finished generations.", ("specialist", "speculation"))
+        self.tokens_per_s = metrics.Gauge("cantata_tokens_per_s", "Decode tokens/s of the last request.", keys)
+        self.acceptance = metrics.Gauge("cantata_acceptance_rate", "Accepted/drafted of the last request.", keys)
+        self.mean_accepted = metrics.Gauge("cantata_mean_accepted_length",
+                                           "Tokens per speculative step of the last request.", keys)
+        self.drafted = metrics.Counter("cantata_drafted_tokens", "Draft tokens verified.", keys)
+        self.accepted = metrics.Counter("cantata_accepted_tokens", "Draft tokens accepted.", keys)
+        self.status = metrics.Gauge("cantata_speculation_status",
+                                    "1 for the specialist's current speculation status, 0 for the others.",
+                                    ("specialist", "status"))
+
+    def observe(self, ttft_s: float | None, inter_token_s: list[float], completion_tokens: int, decode_s: float,
+                stats: dict[str, Any], speculation: str) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, self.tags)
+        for gap in inter_token_s:
+            self.itl.observe(gap, self.tags)
+        if completion_tokens:
+            self.tokens.inc(completion_tokens, self.tags)
+        if decode_s > 0 and completion_tokens > 1:
+            self.tokens_per_s.set((completion_tokens - 1) / decode_s, self.tags)
+        self.requests.inc(1, {**self.tags, "speculation": speculation})
+        drafted, accepted = int(stats.get("drafted") or 0), int(stats.get("accepted") or 0)
+        if drafted:
+            self.drafted.inc(drafted, self.tags)
+            self.acceptance.set(accepted / drafted, self.tags)
+            self.mean_accepted.set(float(stats.get("mean_accepted_length") or 1.0), self.tags)
+        if accepted:
+            self.accepted.inc(accepted, self.tags)
+
+    def set_status(self, status: str) -> None:
+        for s in SPECULATION_STATUSES:
+            self.status.set(1.0 if s == status else 0.0, {**self.tags, "status": s})
+
+
+def _serve_metrics_or_null(name: str) -> SpecialistMetrics:
+    """Ray Serve metrics inside a replica; no-op metrics elsewhere (tests, scripts)."""
+    if "ray.serve" not in sys.modules:  # a replica has imported Serve long before it builds us
+        return NullMetrics()
+    try:
+        from ray import serve
+
+        serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - not in a Serve replica (or Ray not installed)
+        return NullMetrics()
+    return ServeMetrics(name)
+
+
+# ---- the specialist ------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SpecialistOptions(BaseModel):
+    """How one specialist replica loads its model (the deployment's constructor argument)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    model_dir: str
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_num_seqs: int = Field(16, ge=1)
+    max_model_len: int | None = Field(None, ge=16)
+    num_threads: int | None = Field(1, ge=1)  # torch intra-op threads; None leaves torch's default
+    warmup: bool = True
+
+
+class Specialist:
+    """One specialist: engine in a background thread, warm-up, live policy, traced generation.
+
+    Plain Python (tests use it directly); `specialist_deployment()` makes it a Serve deployment, in
+    which Serve calls `reconfigure(user_config)` and `check_health()`, and the router calls
+    `generate` (streaming), `ready`, `status`, `get_policy` and `set_policy` through a handle.
+    """
+
+    def __init__(self, options: SpecialistOptions | dict[str, Any], tracer_provider: TracerProvider | None = None,
+                 metrics: SpecialistMetrics | None = None) -> None:
+        from specialists.engine import Engine, RequestError
+
+        self.options = SpecialistOptions.model_validate(options)
+        self.name = self.options.name
+        self.started_at = time.time()
+        if self.options.num_threads is not None and self.options.device == "cpu":
+            torch.set_num_threads(self.options.num_threads)
+        self._provider = tracer_provider or tracer_provider_from_env(f"specialist:{self.name}")
+        self._tracer = self._provider.get_tracer(TRACER_NAME)
+        self._metrics = metrics or _serve_metrics_or_null(self.name)
+        t0 = time.perf_counter()
+        self.engine = Engine.from_pretrained(self.options.model_dir, device=self.options.device,
+                                             dtype=_DTYPES[self.options.dtype], max_num_seqs=self.options.max_num_seqs,
+                                             max_model_len=self.options.max_model_len)
+        log.info("%s: loaded %s in %.1f s", self.name, self.options.model_dir, time.perf_counter() - t0)
+        self._loop = EngineLoop(self.engine, self.name, RequestError)
+        self._warm = threading.Event()
+        self._warmup_error: BaseException | None = None
+        if self.options.warmup:
+            self._loop.call(self._warm_up).add_done_callback(self._warmed)
+        else:
+            self._warm.set()
+
+    # ---- readiness ---------------------------------------------------------------------------------
+
+    def _warm_up(self) -> float:  # engine thread
+        t0 = time.perf_counter()
+        warmup = getattr(self.engine, "warmup", None)
+        if warmup is not None:
+            warmup()
+        else:
+            self.engine.generate([[1, 1, 1, 1]], SamplingParams(max_tokens=4, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    def _warmed(self, fut: concurrent.futures.Future) -> None:
+        if fut.exception() is not None:
+            self._warmup_error = fut.exception()
+            log.error("%s: warm-up failed: %r", self.name, self._warmup_error)
+            return
+        log.info("%s: warmed up in %.2f s", self.name, fut.result())
+        self._warm.set()
+        self._metrics.set_status(self.speculation_status())
+
+    def ready(self) -> bool:
+        return self._warm.is_set() and self._loop.alive
+
+    def check_health(self) -> None:
+        """Serve's health check: fails when the engine thread died or warm-up failed (Serve then
+        replaces the replica). A replica that is still warming up is healthy, not ready."""
+        if self._warmup_error is not None:
+            raise RuntimeError(f"{self.name}: warm-up failed: {self._warmup_error!r}")
+        if not self._loop.alive:
+            raise RuntimeError(f"{self.name}: engine loop stopped: {self._loop.error!r}")
+
+    def status(self) -> dict[str, Any]:
+        return {"specialist": self.name, "ready": self.ready(), "speculation": self.speculation_status(),
+                "engine_alive": self._loop.alive, "pid": os.getpid(), "started_at": self.started_at}
+
+    # ---- policy ------------------------------------------------------------------------------------
+
+    def speculation_status(self) -> str:
+        """What a request admitted now would use: the gate's status (a fallback whose cooldown is
+        over probes, so it counts as on)."""
+        gate = getattr(self.engine, "gate", None)
+        if gate is None or getattr(self.engine, "drafter", None) is None:
+            return "off"
+        snap = gate.snapshot()
+        status = str(snap.get("status", "off"))
+        if status == "fallback" and snap.get("probe_in_s") == 0.0:
+            return "on"
+        return status
+
+    def _policy_dict(self) -> dict[str, Any]:
+        gate = getattr(self.engine, "gate", None)
+        return {"specialist": self.name, "policy": gate.policy.model_dump() if gate is not None else None,
+                "gate": gate.snapshot() if gate is not None else None, "speculation": self.speculation_status(),
+                "pid": os.getpid(), "started_at": self.started_at}
+
+    async def _apply(self, policy: SpeculationPolicy) -> dict[str, Any]:
+        await self._loop.acall(lambda: self.engine.set_policy(policy))
+        self._metrics.set_status(self.speculation_status())
+        log.info("%s: policy %s", self.name, policy.model_dump())
+        return self._policy_dict()
+
+    async def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """Serve calls this with the deployment's user_config ({"speculation": {...}}) at start and on
+        every `serve deploy` that changes it; the policy applies from the next engine step."""
+        await self._apply(SpeculationPolicy.from_user_config(user_config))
+
+    async def get_policy(self) -> dict[str, Any]:
+        return self._policy_dict()
+
+    async def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
+        """Replace the policy (the admin API). Returns {"ok", "error", ...the policy view}."""
+        try:
+            parsed = SpeculationPolicy.model_validate(policy)
+            view = await self._apply(parsed)
+        except (ValidationError, ValueError) as exc:
+            return {"ok": False, "error": str(exc), **self._policy_dict()}
+        return {"ok": True, "error": None, **view}
+
+    async def metrics(self) -> dict[str, Any]:
+        fn = getattr(self.engine, "metrics", None)
+        return await self._loop.acall(fn) if fn is not None else await self._loop.acall(lambda: dict(self.engine.stats))
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream GenerateEvent dicts: start, text..., end (or error). Never raises for a bad request."""
+        try:
+            req = GenerateRequest.model_validate(request)
+        except ValidationError as exc:
+            yield self._event("error", status=400, message=str(exc))
+            return
+        parent = extract_context(req.trace_context)
+        span = self._tracer.start_span("specialist.generate", context=parent, kind=SpanKind.SERVER,
+                                       attributes={"cantata.specialist": self.name, "cantata.request_id": req.request_id,
+                                                   "cantata.max_tokens": req.max_tokens})
+        ctx = trace.set_span_in_context(span, parent)
+        try:
+            if not self.ready():
+                span.set_attribute("cantata.error", "not ready")
+                yield self._event("error", status=503, message=f"specialist {self.name} is warming up")
+                return
+            async for event in self._generate(req, span, ctx):
+                yield event
+        finally:
+            span.end()
+
+    async def _generate(self, req: GenerateRequest, span: Span, ctx: Any) -> AsyncIterator[dict[str, Any]]:
+        timeline = GenerationTimeline(time.time_ns())
+        admission = self.speculation_status()
+        span.set_attribute("cantata.speculation.admission", admission)
+        try:
+            params = req.sampling_params()
+        except ValueError as exc:
+            yield self._event("error", status=400, message=str(exc))
+            return
+        items = self._loop.submit(req.prompt, params, req.request_id)
+        deltas = TextDeltas(req.stop)
+        last: Snapshot | None = None
+        try:
+            first = await items.get()  # Admitted, or Failed for a request the engine refused
+            if isinstance(first, Failed):
+                span.set_status(Status(StatusCode.ERROR, first.message))
+                yield self._event("error", status=first.status, message=first.message)
+                return
+            timeline.admitted_ns = getattr(first, "time_ns", None)
+            yield self._event("start", speculation=admission)
+            while last is None or not last.finished:
+                batch = [await items.get()]
+                while not items.empty():
+                    batch.append(items.get_nowait())
+                text = ""
+                for item in batch:
+                    if isinstance(item, Failed):
+                        span.set_status(Status(StatusCode.ERROR, item.message))
+                        yield self._event("error", status=item.status, message=item.message)
+                        return
+                    timeline.token_marks.append((item.time_ns, item.num_tokens))
+                    if timeline.first_token_ns is None and item.num_tokens > 0:
+                        timeline.first_token_ns = item.time_ns
+                    text += deltas.update(item.text, item.finished)
+                    last = item
+                if last is not None and (text or last.finished):
+                    yield self._event("text", text=text, speculation=last.speculation,
+                                      prompt_tokens=last.prompt_tokens, completion_tokens=last.num_tokens)
+        finally:
+            if last is None or not last.finished:
+                self._loop.abort(req.request_id)
+        timeline.finished_ns = last.time_ns
+        self._finish(ctx, timeline, last)
+        span.set_attributes({"cantata.speculation": last.speculation, "cantata.finish_reason": last.finish_reason or "",
+                             "cantata.completion_tokens": last.num_tokens})
+        yield self._event("end", speculation=last.speculation, finish_reason=last.finish_reason,
+                          prompt_tokens=last.prompt_tokens, completion_tokens=last.num_tokens, stats=last.stats)
+
+    def _finish(self, ctx: Any, timeline: GenerationTimeline, last: Snapshot) -> None:
+        record_generation_spans(self._tracer, ctx, timeline, last.stats, last.speculation, last.prompt_tokens,
+                                last.num_tokens)
+        ttft = ((timeline.first_token_ns - timeline.submitted_ns) / 1e9) if timeline.first_token_ns else None
+        decode_s = ((timeline.finished_ns or 0) - (timeline.first_token_ns or 0)) / 1e9 if timeline.first_token_ns else 0.0
+        self._metrics.observe(ttft, timeline.inter_token_s(), last.num_tokens, decode_s, last.stats, last.speculation)
+        self._metrics.set_status(self.speculation_status())
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return GenerateEvent(type=kind, specialist=self.name, **fields).model_dump()
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+        self._provider.shutdown()
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.stop(timeout_s=0.1)
+
+
+def specialist_deployment(**options: Any) -> Any:
+    """The Serve deployment of `Specialist` (Ray is imported here, not at module import).
+
+    Options are Serve deployment options (name, ray_actor_options, ...); the config file's
+    per-deployment settings override them. Health is checked every 10 s; a long first warm-up
+    (GPU capture) is covered by the readiness check, not the health check."""
+    from ray import serve
+
+    defaults: dict[str, Any] = {"max_ongoing_requests": 64, "health_check_period_s": 10.0,
+                                "health_check_timeout_s": 30.0, "graceful_shutdown_timeout_s": 5.0}
+    return serve.deployment(Specialist, **{**defaults, **options})

@@ -1,0 +1,149 @@
+"""The MTP drafter at inference: its one-layer KV lives in pages that share the target's block ids.
+
+Drafter entry t (see specialists/models/mtp.py) consumes (target hidden h_t, token x_{t+1}) and sits at
+rope position t+1. The entry is stored at the KV slot of target token t, so the drafter reads and
+writes through the target's block tables and never needs blocks of its own: when the target has
+committed C tokens, the drafter holds entries 0..C-1, entry C-1 pairing h_{C-1} with the token the
+target just emitted.
+
+Each engine step:
+  - `chain`: from each sequence's last entry output, K greedy drafts; depth k >= 2 adds a
+    temporary entry at index C + k - 2, held in a dense tail outside the pool.
+  - `rebuild`: after verification, entries for every token the target just ran, from the target's
+    own hidden states (prefill tokens, or [x, d1..dK] of a verify), overwriting the chained ones. Entries
+    past the accepted length are garbage at indices >= the new committed length; nothing reads them
+    before the next step overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specialists.models.batch import ForwardBatch
+from specialists.models.mtp import MTPDrafter
+from specialists.ops.attention import paged_attention, write_kv
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the full head dim, as mtp.rotary. x [T, H, hd]; positions [T]."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq  # [T, hd/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None]  # [T, 1, hd]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
+
+
+class PagedDrafter:
+    def __init__(
+        self,
+        drafter: MTPDrafter,
+        embed: torch.Tensor,  # [V, d] the target's input embedding
+        lm_head: torch.Tensor,  # [V, d] the target's lm_head
+        num_blocks: int,
+        block_size: int,
+        vocab: torch.Tensor | None = None,  # [N] int64 token ids the drafter may propose (None: all)
+    ) -> None:
+        cfg = drafter.cfg
+        self.drafter, self.cfg = drafter, cfg
+        self.embed, self.lm_head = embed, lm_head
+        self.block_size = block_size
+        p = next(drafter.parameters())
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)  # [num_blocks, block_size, H_kv, hd]
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        hd = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=p.device, dtype=torch.float32) / hd))
+        self.scale = hd ** -0.5
+        self.vocab = None if vocab is None else vocab.to(p.device)
+        self.head = lm_head if vocab is None else lm_head[self.vocab].contiguous()  # [N, d]
+        # fused weights: one matmul for q, k, v and one for gate, up
+        blk = drafter.block
+        with torch.no_grad():
+            self.w_qkv = torch.cat([blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight]).contiguous()
+            self.w_gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight]).contiguous()
+        self.split_qkv = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
+        self.eps = cfg.rms_norm_eps
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.cfg.num_speculative_tokens
+
+    def _norm(self, x: torch.Tensor, mod) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), mod.weight, self.eps)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor):  # x [T, d] block input, pos [T] rope positions
+        cfg = self.cfg
+        t = x.shape[0]
+        q, k, v = F.linear(self._norm(x, self.drafter.block.attn_norm), self.w_qkv).split(self.split_qkv, dim=-1)
+        q = _rope(q.view(t, cfg.num_attention_heads, cfg.head_dim), pos, self.inv_freq)
+        k = _rope(k.view(t, cfg.num_key_value_heads, cfg.head_dim), pos, self.inv_freq)
+        return q, k, v.view(t, cfg.num_key_value_heads, cfg.head_dim)
+
+    def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # x [T, d], o [T, H, hd] -> [T, d]
+        blk = self.drafter.block
+        x = x + F.linear(o.reshape(x.shape[0], -1), blk.o_proj.weight)
+        gate, up = F.linear(self._norm(x, blk.mlp_norm), self.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, blk.down_proj.weight)
+
+    def _fuse(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [T, d], [T] -> [T, d]
+        d = self.drafter
+        emb = F.embedding(tokens, self.embed).to(prev.dtype)
+        return F.linear(torch.cat([self._norm(prev, d.hidden_norm), self._norm(emb, d.embed_norm)], dim=-1), d.proj.weight)
+
+    @torch.inference_mode()
+    def rebuild(
+        self,
+        batch: ForwardBatch,  # the target's batch of this step (its slots and positions)
+        hidden: torch.Tensor,  # [T, d] the target's final-normed hidden states of every token
+        next_tokens: torch.Tensor,  # [T] int64, the token that follows each one (garbage where not kept)
+    ) -> torch.Tensor:  # [T, d] entry outputs
+        x = self._fuse(hidden.to(self.k.dtype), next_tokens.clamp(min=0))
+        q, k, v = self._qkv(x, batch.positions + 1)
+        write_kv(k, v, self.k, self.v, batch.slot_mapping)
+        return self._finish(x, paged_attention(q, self.k, self.v, batch, scale=self.scale))
+
+    @torch.inference_mode()
+    def chain(
+        self,
+        prev: torch.Tensor,  # [B, d] output of each sequence's last committed entry (index C_b - 1)
+        committed: list[int],  # [B] C_b, host
+        tables: torch.Tensor,  # [B, W] int32 block tables covering [0, C_b)
+        k: int,  # drafts per sequence
+    ) -> torch.Tensor:  # [B, k] int64 greedy drafts
+        """Chained greedy drafting. The committed entries are gathered once into a dense [B, C, ...]
+        context; the chained entries (depth >= 2) live only in a small dense tail and are never
+        written to the pool (the next rebuild writes the real entries at those indices)."""
+        drafts = [self._argmax(prev)]
+        if k == 1:
+            return drafts[0][:, None]
+        dev = prev.device
+        b, bs, cfg = prev.shape[0], self.block_size, self.cfg
+        cmax = max(committed)
+        nblk = -(-cmax // bs)
+        tab = tables[:, :nblk].long()
+        ctx_k = self.k[tab].reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]  # [B, C, Hkv, hd]
+        ctx_v = self.v[tab].reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]
+        c = torch.tensor(committed, dtype=torch.int64, device=dev)
+        valid = torch.arange(cmax, device=dev)[None, :] < c[:, None]  # [B, C]
+        tail_valid = torch.ones(b, k - 1, dtype=torch.bool, device=dev)
+        keys, values = [ctx_k], [ctx_v]
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        for depth in range(2, k + 1):
+            x = self._fuse(prev, drafts[-1])  # [B, d]
+            q, kk, vv = self._qkv(x, c + (depth - 1))  # entry index C + depth - 2, rope position + 1
+            keys.append(kk[:, None])
+            values.append(vv[:, None])
+            mask = torch.cat([valid, tail_valid[:, : depth - 1]], dim=1)[:, None, None, :]  # [B, 1, 1, S]
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :],  # [B, H, 1, hd]
+                torch.cat(keys, dim=1).transpose(1, 2), torch.cat(values, dim=1).transpose(1, 2),
+                attn_mask=mask, scale=self.scale, enable_gqa=groups > 1,
+            )  # [B, H, 1, hd]
+            prev = self._finish(x, o[:, :, 0, :])
+            drafts.append(self._argmax(prev))
+        return torch.stack(drafts, dim=1)
+
+    def _argmax(self, out: torch.Tensor) -> torch.Tensor:  # [B, d] -> [B] token ids
+        best = F.linear(self._norm(out, self.drafter.final_norm), self.head).argmax(-1)
+        return best if self.vocab is None else self.vocab[best]

@@ -1,0 +1,337 @@
+"""End to end: a real `serve run deploy/ensemble.yaml` (Ray Serve, four specialists on CPU) and the
+unmodified `openai` client. One server for the module; the tests that change policies run last.
+
+Ray 2.60 specifics: token auth is on by default, so RAY_AUTH_MODE=disabled is set for the cluster
+and for the CLI (`serve deploy`); a backgrounded `serve run` ignores SIGINT, so it is stopped with
+SIGTERM and the cluster cleaned up with `ray stop --force`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+import yaml
+
+from specialists.train.tools import tools_for
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = "http://127.0.0.1:8000"
+TOKEN = "e2e-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DOMAINS = ("cpp", "python", "build", "shell")
+STARTUP_LIMIT_S = 120.0
+BIN = Path(sys.executable).parent
+
+QUESTIONS = {
+    "cpp": "What does `std::vector::reserve` do in C++?",
+    "python": "What does `json.dumps` do in Python?",
+    "build": "What does the CMake module FindZLIB do?",
+    "shell": "What is the `tar` command?",
+}
+TOOL_RESULTS = {
+    "lookup_symbol": {"symbol": "std::vector::reserve", "header": "vector",
+                      "declaration": "void reserve(size_type __n);", "doc": "Attempt to preallocate enough memory."},
+    "compile_snippet": {"command": "g++ -std=c++17 -fsyntax-only snippet.cpp", "exit_status": 0, "diagnostics": ""},
+    "run_python": "4",
+    "pydoc": "Help on function dumps in json:\n\ndumps(obj, *, skipkeys=False, ...)\n    Serialize obj to a JSON formatted str.",
+    "cmake_build": "[ 50%] Building C object CMakeFiles/app.dir/main.c.o\n[100%] Linking C executable app\n[100%] Built target app",
+    "make_target": "cc -O2 -c main.c -o main.o\ncc main.o -o app",
+    "cmake_help": "FindZLIB\n--------\n\nFind the native ZLIB includes and library.",
+    "run_shell": "bin\netc\nusr",
+    "man_page": "NAME\n    tar - an archiving utility\nSYNOPSIS\n    tar [OPTION...] [FILE]...",
+}
+
+
+@dataclass
+class Server:
+    env: dict[str, str]
+    trace_file: Path
+    startup_s: float
+    workdir: Path
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _stop(proc: subprocess.Popen, env: dict[str, str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Server:
+    if _port_busy(8000):
+        pytest.fail("127.0.0.1:8000 is in use; deploy/ensemble.yaml binds it")
+    work = tmp_path_factory.mktemp("serve")
+    trace_file = work / "traces.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS"))}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", CANTATA_ADMIN_TOKEN=TOKEN,
+               CANTATA_TRACE_FILE=str(trace_file), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    log = open(work / "serve.log", "w")
+    start = time.monotonic()
+    proc = subprocess.Popen([str(BIN / "serve"), "run", "deploy/ensemble.yaml"], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"serve run exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
+            if time.monotonic() - start > STARTUP_LIMIT_S:
+                pytest.fail(f"/health not 200 within {STARTUP_LIMIT_S} s:\n{(work / 'serve.log').read_text()[-4000:]}")
+            try:
+                if requests.get(f"{BASE}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        yield Server(env, trace_file, time.monotonic() - start, work)
+    finally:
+        _stop(proc, env)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="not-needed", max_retries=0, timeout=60)
+
+
+def held_out_tool_conv(domain: str, tool: str) -> dict:
+    for line in (REPO / "bench" / "data" / domain / "tool_convs.jsonl").read_text().splitlines():
+        conv = json.loads(line)
+        if conv["expected"]["name"] == tool:
+            return conv
+    raise LookupError(tool)
+
+
+def admin_view(name: str) -> dict:
+    r = requests.get(f"{BASE}/admin/policies/{name}", headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def speculation_of(client: openai.OpenAI, model: str, max_tokens: int = 12, **kw) -> str:
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": QUESTIONS.get(model, "hello")}], max_tokens=max_tokens, **kw)
+    raw.parse()
+    return raw.headers["x-speculation"]
+
+
+def wait_for_speculation(client: openai.OpenAI, model: str, want: str, within_s: float = 5.0) -> float:
+    start = time.monotonic()
+    while True:
+        got = speculation_of(client, model)
+        if got == want:
+            return time.monotonic() - start
+        assert time.monotonic() - start < within_s, f"{model}: x-speculation still {got!r}, wanted {want!r}"
+        time.sleep(0.2)
+
+
+# ---- serving -------------------------------------------------------------------------------------
+
+
+def test_health_within_limit(server):
+    assert server.startup_s < STARTUP_LIMIT_S
+    r = requests.get(f"{BASE}/health", timeout=10)
+    assert r.status_code == 200 and r.json()["specialists"] == {d: True for d in DOMAINS}
+
+
+def test_models(client):
+    assert {m.id for m in client.models.list()} == {"auto", *DOMAINS}
+
+
+@pytest.mark.parametrize("model", [*DOMAINS, "auto"])
+def test_chat_non_streaming_and_streaming(client, model):
+    question = QUESTIONS.get(model, "What does `json.dumps` do in Python?")
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=48)
+    reply = raw.parse()
+    chosen = raw.headers["x-cantata-specialist"]
+    assert chosen in DOMAINS and (model == "auto" or chosen == model) and reply.model == chosen
+    assert 0.0 <= float(raw.headers["x-cantata-route-confidence"]) <= 1.0
+    assert raw.headers["x-speculation"] in ("on", "off", "fallback")
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 48
+
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                            max_tokens=48, stream=True, stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert finish in ("stop", "length") and usage is not None and usage.completion_tokens <= 48
+    if model != "auto":  # greedy: the stream says what the non-streamed reply said
+        assert text == reply.choices[0].message.content
+
+
+@pytest.mark.skipif(not (REPO / "deploy" / "router").exists(), reason="no trained content classifier in deploy/router")
+def test_auto_routes_by_content(client):
+    for domain, question in QUESTIONS.items():
+        raw = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": question}], max_tokens=4)
+        raw.parse()
+        assert raw.headers["x-cantata-specialist"] == domain, question
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_tool_round_trip_for_each_documented_tool(client, domain):
+    for tool in tools_for(domain):
+        name = tool["function"]["name"]
+        conv = held_out_tool_conv(domain, name)
+        msgs = list(conv["messages"])
+        first = client.chat.completions.create(model=domain, messages=msgs, tools=conv["tools"], max_tokens=96,
+                                               tool_choice={"type": "function", "function": {"name": name}})
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == name
+        call = choice.message.tool_calls[0]
+        assert isinstance(json.loads(call.function.arguments), dict)
+        result = TOOL_RESULTS[name]
+        msgs += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": result if isinstance(result, str) else json.dumps(result)}]
+        answer = client.chat.completions.create(model=domain, messages=msgs, tools=conv["tools"], max_tokens=96)
+        assert answer.choices[0].finish_reason in ("stop", "length"), (name, answer.choices[0].message)
+        assert answer.choices[0].message.content, name
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_required_and_named_always_call(client, domain):
+    tools = tools_for(domain)
+    names = [t["function"]["name"] for t in tools]
+    for question in (QUESTIONS[domain], "Hello! How are you today?"):
+        msgs = [{"role": "user", "content": question}]
+        required = client.chat.completions.create(model=domain, messages=msgs, tools=tools, tool_choice="required",
+                                                  max_tokens=96)
+        assert required.choices[0].finish_reason == "tool_calls"
+        assert required.choices[0].message.tool_calls[0].function.name in names
+        for name in names:
+            named = client.chat.completions.create(model=domain, messages=msgs, tools=tools, max_tokens=96,
+                                                   tool_choice={"type": "function", "function": {"name": name}})
+            assert [c.function.name for c in named.choices[0].message.tool_calls][:1] == [name]
+
+
+def test_streamed_tool_call(client):
+    conv = held_out_tool_conv("shell", "man_page")
+    stream = client.chat.completions.create(model="shell", messages=conv["messages"], tools=conv["tools"],
+                                            tool_choice="required", stream=True, max_tokens=96)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            entry["name"] += (tc.function.name or "") if tc.function else ""
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert finish == "tool_calls" and calls[0]["id"] and calls[0]["name"] in ("man_page", "run_shell")
+    assert isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_errors_reach_the_client_in_openai_shape(client):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="cpp", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="cpp", messages=[])
+
+
+def test_one_trace_across_router_and_specialist(server, client):
+    trace_id = "5b8aa5a2d2c872e8321cf37308d69df2"
+    raw = client.chat.completions.with_raw_response.create(
+        model="python", messages=[{"role": "user", "content": QUESTIONS["python"]}], max_tokens=16,
+        extra_headers={"traceparent": f"00-{trace_id}-051581bf3cb55c13-01"})
+    raw.parse()
+    assert raw.headers["x-trace-id"] == trace_id
+    deadline = time.monotonic() + 10
+    while True:
+        spans = [json.loads(line) for line in server.trace_file.read_text().splitlines() if trace_id in line]
+        names = {s["name"]: s for s in spans}
+        if {"POST /v1/chat/completions", "route", "specialist.generate", "decode"} <= set(names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {s["component"] for s in spans} == {"router", "specialist:python"}
+    assert names["POST /v1/chat/completions"]["parent_span_id"] == "051581bf3cb55c13"
+    assert names["specialist.generate"]["parent_span_id"] == names["POST /v1/chat/completions"]["span_id"]
+    assert names["decode"]["parent_span_id"] == names["specialist.generate"]["span_id"]
+    assert names["decode"]["attributes"]["cantata.speculation"] == raw.headers["x-speculation"]
+    assert {"cantata.drafted", "cantata.accepted", "cantata.mean_accepted_length", "cantata.rollbacks"} <= set(
+        names["decode"]["attributes"])
+
+
+# ---- live policies (these change the server's state; they run last) ------------------------------
+
+
+def test_admin_needs_the_token(server):
+    assert requests.get(f"{BASE}/admin/policies", timeout=10).status_code == 401
+    assert requests.put(f"{BASE}/admin/policies/cpp", json={"mode": "off"}, timeout=10).status_code == 401
+    assert requests.get(f"{BASE}/admin/policies", headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
+    views = requests.get(f"{BASE}/admin/policies", headers=AUTH, timeout=10).json()["specialists"]
+    assert set(views) == set(DOMAINS)
+
+
+def test_speculation_flips_after_admin_put(client):
+    pid = admin_view("cpp")["pid"]
+    for mode in ("off", "on", "off", "on"):
+        r = requests.put(f"{BASE}/admin/policies/cpp", json={"mode": mode}, headers=AUTH, timeout=10)
+        assert r.status_code == 200 and r.json()["policy"]["mode"] == mode
+        assert wait_for_speculation(client, "cpp", mode) < 5.0
+    assert admin_view("cpp")["pid"] == pid  # the same replica: no restart
+
+
+def test_auto_gating_falls_back_and_probes_again(client):
+    """A workload crafted to reject (min_acceptance 1.0 with sampled drafts): fallback, then on
+    again after the cooldown."""
+    policy = {"mode": "auto", "num_speculative_tokens": 3, "acceptance": "rejection",
+              "auto": {"min_acceptance": 1.0, "window": 6, "max_running_batch": 8, "cooldown_s": 3.0}}
+    assert requests.put(f"{BASE}/admin/policies/shell", json=policy, headers=AUTH, timeout=10).status_code == 200
+    assert speculation_of(client, "shell", max_tokens=64, temperature=1.0, seed=7) == "fallback"
+    assert admin_view("shell")["gate"]["status"] == "fallback"
+    deadline = time.monotonic() + 10
+    while admin_view("shell")["speculation"] != "on":
+        assert time.monotonic() < deadline, admin_view("shell")
+        time.sleep(0.2)
+    assert speculation_of(client, "shell", max_tokens=2) == "on"
+
+
+def _deploy(server: Server, config: dict) -> None:
+    path = server.workdir / "deploy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([str(BIN / "serve"), "deploy", str(path)], cwd=REPO, env=server.env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_speculation_flips_after_serve_deploy(server, client):
+    config = yaml.safe_load((REPO / "deploy" / "ensemble.yaml").read_text())
+    pids = {d: admin_view(d)["pid"] for d in DOMAINS}
+    for mode in ("off", "on"):
+        for dep in config["applications"][0]["deployments"]:
+            if dep["name"] == "build":
+                dep["user_config"]["speculation"]["mode"] = mode
+        _deploy(server, config)
+        assert wait_for_speculation(client, "build", mode) < 5.0
+    assert {d: admin_view(d)["pid"] for d in DOMAINS} == pids  # reconfigured in place, no restarts
