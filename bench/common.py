@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -23,8 +24,14 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
 
 
 def git_commit() -> str:
+    """CANTATA_COMMIT when set (a GPU lease gets a copy of the tree whose .git may be stale), else
+    HEAD, with "+dirty" when tracked files differ from it."""
+    if os.environ.get("CANTATA_COMMIT"):
+        return os.environ["CANTATA_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True).returncode != 0
+        return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

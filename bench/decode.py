@@ -71,11 +71,11 @@ def hf_generate(hf, prompts: list[list[int]], max_new_tokens: int, pad_id: int, 
     return [row.tolist() for row in out[:, width:].cpu()]
 
 
-def timed(fn, batches: list[list[list[int]]], device: str, desc: str) -> tuple[list[list[int]], float]:
+def timed(fn, batches: list[list[list[int]]], device: str, desc: str, quiet: bool = False) -> tuple[list[list[int]], float]:
     """Runs fn on every batch; returns the outputs in order and the summed wall time of the calls."""
     outs: list[list[int]] = []
     total = 0.0
-    for batch in tqdm(batches, desc=desc, unit="batch", file=sys.stderr):
+    for batch in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, disable=quiet):
         _sync(device)
         t0 = time.perf_counter()
         res = fn(batch)
@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=None, help="append the result as a JSONL row here")
     parser.add_argument("--spec-k", type=int, default=None, help="also run with K-token MTP speculation")
     parser.add_argument("--acceptance", choices=["greedy", "rejection", "typical"], default="greedy")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft over the first N tokens of the drafter's vocabulary file (0: all tokens)")
+    parser.add_argument("--draft-min-confidence", type=float, default=None,
+                        help="stop a draft chain below this drafter probability (default: the engine's, 0.3 on CPU)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -126,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         policy = SpeculationPolicy(mode="on", num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
         spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
-                                             max_num_seqs=args.batch_size, policy=policy)  # refuses without a drafter
+                                             max_num_seqs=args.batch_size, policy=policy,
+                                             draft_vocab_size=args.draft_vocab,
+                                             draft_min_confidence=args.draft_min_confidence)  # refuses without a drafter
     tokenizer = engine.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
@@ -161,7 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     _sync(args.device)
 
     hits_before = engine.stats.get("prefix_hit_tokens", 0)
-    ours, t_engine = timed(run_engine, batches, args.device, "engine")
+    if spec_engine is None:
+        ours, t_engine = timed(run_engine, batches, args.device, "engine")
+    else:  # side by side, batch after batch, so that machine noise hits both alike
+        ours, spec, t_engine, t_spec = [], [], 0.0, 0.0
+        for batch in tqdm(batches, desc=f"engine / speculative K={args.spec_k}", unit="batch", file=sys.stderr):
+            out, dt = timed(run_engine, [batch], args.device, "", quiet=True)
+            ours.extend(out)
+            t_engine += dt
+            out, dt = timed(run_spec, [batch], args.device, "", quiet=True)
+            spec.extend(out)
+            t_spec += dt
     prefix_hits = engine.stats.get("prefix_hit_tokens", 0) - hits_before
     ours_tokens = sum(len(o) for o in ours)
     engine_tok_s = ours_tokens / t_engine if t_engine > 0 else 0.0
@@ -177,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         t_hf = 0.0
     if spec_engine is not None:
-        spec, t_spec = timed(run_spec, batches, args.device, f"engine, speculative K={args.spec_k}")
         spec_tok_s = sum(len(o) for o in spec) / t_spec if t_spec > 0 else 0.0
         tot = spec_engine.totals
         result.update(

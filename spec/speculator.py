@@ -63,28 +63,36 @@ class Speculator:
         rebuild: bool = True,  # run the drafter's rebuild (False when speculation is off for good)
     ) -> tuple[list[Row], StepOutput]:
         dev = self.device
+        t_draft = time.perf_counter()
+        want = {id(seq): (seq.spec_k if self.drafter is not None and seq.draft_ok else 0) for seq in decodes}
+        spec_seqs = [seq for seq in decodes if want[id(seq)] > 0]
+        drafts = None
+        if spec_seqs:  # draft first: the drafter may stop a chain early (low confidence), which sets k
+            drafts, counts = self._draft(spec_seqs, max(want[id(s)] for s in spec_seqs))  # [S, kd], [S]
+            for seq, n in zip(spec_seqs, counts):
+                want[id(seq)] = min(want[id(seq)], n)
         rows: list[Row] = []
         t = 0
         for seq, toks in prefills:
             rows.append(Row(seq, True, list(toks), 0, t))
             t += len(toks)
         for seq in decodes:
-            k = seq.spec_k if self.drafter is not None and seq.draft_ok else 0
+            k = want[id(seq)]
             rows.append(Row(seq, False, [seq.output_ids[-1]] + [0] * k, k, t))
             t += 1 + k
         kmax = max((r.k for r in rows), default=0)
-
-        t_draft = time.perf_counter()
+        if kmax == 0:
+            drafts = None
         fill = None
-        drafts = None
-        spec_rows = [r for r in rows if r.k > 0]
-        if spec_rows:
-            drafts = self._draft(spec_rows, kmax)  # [S, kmax]
+        if drafts is not None:
+            drafts = drafts[:, :kmax]
+            spec_rows = [r for r in rows if not r.prefill and id(r.seq) in {id(s) for s in spec_seqs}]
             idx, src = [], []
             for i, r in enumerate(spec_rows):
                 idx.extend(range(r.t0 + 1, r.t0 + 1 + r.k))
                 src.extend(range(i * kmax, i * kmax + r.k))
-            fill = (torch.tensor(idx, dtype=torch.int64, device=dev), drafts.reshape(-1)[torch.tensor(src, device=dev)])
+            if idx:
+                fill = (torch.tensor(idx, dtype=torch.int64, device=dev), drafts.reshape(-1)[torch.tensor(src, device=dev)])
         t_verify = time.perf_counter()
 
         res = self.runner.run([(r.seq.seq_id, r.tokens, r.prefill, r.seq.ssm_slot) for r in rows], fill)
@@ -98,7 +106,8 @@ class Speculator:
         target = res.logits[torch.tensor(lidx, device=dev)]  # [B, kmax+1, V]
         draft_tokens = torch.zeros(B, max(kmax, 1), dtype=torch.int64, device=dev)
         if drafts is not None:
-            spec_pos = torch.tensor([i for i, r in enumerate(rows) if r.k > 0], device=dev)
+            spec_set = {id(s) for s in spec_seqs}
+            spec_pos = torch.tensor([i for i, r in enumerate(rows) if id(r.seq) in spec_set and not r.prefill], device=dev)
             draft_tokens[spec_pos, :kmax] = drafts
         num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)
         params = [r.seq.params for r in rows]
@@ -120,14 +129,16 @@ class Speculator:
             dlist.append(h[2 + kmax : 2 + kmax + r.k] if drafts is not None else [])
         return rows, StepOutput(runs, t_verify - t_draft, t_end - t_verify, dlist)
 
-    def _draft(self, spec_rows: list[Row], kmax: int) -> torch.Tensor:  # -> [S, kmax] drafts
+    def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
+        """-> drafts [S, k] (k <= kmax) and how many of them each sequence should verify (host)."""
         dev = self.device
-        prev = self._draft_out[torch.tensor([self._draft_index[r.seq.seq_id] for r in spec_rows], device=dev)]
-        committed = [self.kv.num_computed(r.seq.seq_id) for r in spec_rows]
-        tables_host = [self.kv.block_table(r.seq.seq_id) for r in spec_rows]
+        prev = self._draft_out[torch.tensor([self._draft_index[s.seq_id] for s in seqs], device=dev)]
+        committed = [self.kv.num_computed(s.seq_id) for s in seqs]
+        tables_host = [self.kv.block_table(s.seq_id) for s in seqs]
         width = max(len(tb) for tb in tables_host)
         tables = torch.tensor([tb + [0] * (width - len(tb)) for tb in tables_host], dtype=torch.int32, device=dev)
-        return self.drafter.chain(prev, committed, tables, kmax)
+        drafts, counts = self.drafter.chain(prev, committed, tables, kmax)
+        return drafts, counts
 
     def _rebuild(self, rows: list[Row], res: Any, tokens: torch.Tensor, kmax: int) -> None:
         """Drafter entries for every token of the batch: (its hidden, the token after it)."""

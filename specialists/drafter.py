@@ -43,6 +43,7 @@ class PagedDrafter:
         num_blocks: int,
         block_size: int,
         vocab: torch.Tensor | None = None,  # [N] int64 token ids the drafter may propose (None: all)
+        min_confidence: float = 0.0,  # stop a chain at the first draft whose probability is below this
     ) -> None:
         cfg = drafter.cfg
         self.drafter, self.cfg = drafter, cfg
@@ -56,7 +57,11 @@ class PagedDrafter:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=p.device, dtype=torch.float32) / hd))
         self.scale = hd ** -0.5
         self.vocab = None if vocab is None else vocab.to(p.device)
-        self.head = lm_head if vocab is None else lm_head[self.vocab].contiguous()  # [N, d]
+        head = lm_head if vocab is None else lm_head[self.vocab]
+        # drafts are proposals (verification decides), so on CPU the head may be bf16: half the bytes
+        # of the step's largest read after the target's own lm_head
+        self.head_dtype = torch.bfloat16 if p.device.type == "cpu" and p.dtype == torch.float32 else p.dtype
+        self.head = head.to(self.head_dtype).contiguous()  # [N, d]
         # fused weights: one matmul for q, k, v and one for gate, up
         blk = drafter.block
         with torch.no_grad():
@@ -64,6 +69,7 @@ class PagedDrafter:
             self.w_gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight]).contiguous()
         self.split_qkv = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
         self.eps = cfg.rms_norm_eps
+        self.min_confidence = min_confidence
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -109,16 +115,24 @@ class PagedDrafter:
         prev: torch.Tensor,  # [B, d] output of each sequence's last committed entry (index C_b - 1)
         committed: list[int],  # [B] C_b, host
         tables: torch.Tensor,  # [B, W] int32 block tables covering [0, C_b)
-        k: int,  # drafts per sequence
-    ) -> torch.Tensor:  # [B, k] int64 greedy drafts
+        k: int,  # drafts per sequence, at most
+    ) -> tuple[torch.Tensor, list[int]]:  # drafts [B, k'] int64 (k' <= k), and drafts to verify per row
         """Chained greedy drafting. The committed entries are gathered once into a dense [B, C, ...]
         context; the chained entries (depth >= 2) live only in a small dense tail and are never
-        written to the pool (the next rebuild writes the real entries at those indices)."""
-        drafts = [self._argmax(prev)]
-        if k == 1:
-            return drafts[0][:, None]
+        written to the pool (the next rebuild writes the real entries at those indices).
+
+        With min_confidence > 0 a row keeps only its leading drafts whose drafter probability is at
+        least that, and the chain stops once no row is still confident. That reads the confidences on
+        the host after each depth, so it is meant for the CPU, where a read is not a device sync."""
+        b = prev.shape[0]
+        counts = [k] * b
+        alive = [True] * b
+        first, conf = self._argmax(prev)
+        drafts = [first]
+        if self._stop(conf, 0, counts, alive) or k == 1:
+            return torch.stack(drafts, dim=1), counts
         dev = prev.device
-        b, bs, cfg = prev.shape[0], self.block_size, self.cfg
+        bs, cfg = self.block_size, self.cfg
         cmax = max(committed)
         nblk = -(-cmax // bs)
         tab = tables[:, :nblk].long()
@@ -141,9 +155,27 @@ class PagedDrafter:
                 attn_mask=mask, scale=self.scale, enable_gqa=groups > 1,
             )  # [B, H, 1, hd]
             prev = self._finish(x, o[:, :, 0, :])
-            drafts.append(self._argmax(prev))
-        return torch.stack(drafts, dim=1)
+            token, conf = self._argmax(prev)
+            drafts.append(token)
+            if self._stop(conf, depth - 1, counts, alive):
+                break
+        return torch.stack(drafts, dim=1), counts
 
-    def _argmax(self, out: torch.Tensor) -> torch.Tensor:  # [B, d] -> [B] token ids
-        best = F.linear(self._norm(out, self.drafter.final_norm), self.head).argmax(-1)
-        return best if self.vocab is None else self.vocab[best]
+    def _stop(self, conf: torch.Tensor | None, j: int, counts: list[int], alive: list[bool]) -> bool:
+        """Rows whose draft j is below min_confidence verify j drafts; True when no row is left."""
+        if conf is None:
+            return False
+        for i, p in enumerate(conf.tolist()):
+            if alive[i] and p < self.min_confidence:
+                alive[i] = False
+                counts[i] = j
+        return not any(alive)
+
+    def _argmax(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, d] -> token ids [B], and their drafter probabilities [B] when min_confidence is set."""
+        logits = F.linear(self._norm(out, self.drafter.final_norm).to(self.head_dtype), self.head)
+        best = logits.argmax(-1)
+        conf = None
+        if self.min_confidence > 0:
+            conf = logits.float().softmax(-1).gather(-1, best[:, None])[:, 0]
+        return (best if self.vocab is None else self.vocab[best]), conf

@@ -11,3 +11,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _exact_fp32_on_cuda():
+    """On a GPU run (CANTATA_TEST_DEVICE=cuda) fp32 must mean fp32: no TF32 in matmuls or convolutions."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    yield

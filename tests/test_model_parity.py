@@ -10,6 +10,7 @@ each sequence alone), and greedy decoding against generate(do_sample=False).
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["build", "shell", "cpp", "python"]
 NAMES = ["tiny-llama", "tiny-bamba", *SHIPPED]
 TOL = 1e-4
+DEV = os.environ.get("CANTATA_TEST_DEVICE", "cpu")  # "cuda" on a GPU machine: the same checks there
 
 
 
@@ -41,7 +43,7 @@ def _tiny_hf(name: str):
         cfg = BambaConfig(**common, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
                           mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=32, mamba_d_conv=4)
     cfg._attn_implementation = "eager"
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval().to(DEV)
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -49,11 +51,11 @@ def pair(request):
     name = request.param
     if name in SHIPPED:
         path = ROOT / "deploy" / "models" / name
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-        ours = load_model(path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval().to(DEV)
+        ours = load_model(path, device=DEV, dtype=torch.float32)
     else:
         hf = _tiny_hf(name)
-        ours = model_from_hf(hf)
+        ours = model_from_hf(hf, device=DEV)
     return name, hf, ours
 
 
@@ -79,7 +81,7 @@ class Session:
         accept = accept or {}
         for sid, toks, _ in work:
             self.kv.reserve(sid, len(toks))
-        batch = ForwardBatch.from_kv(self.kv, work, [self.slot[s] for s, _, _ in work])
+        batch = ForwardBatch.from_kv(self.kv, work, [self.slot[s] for s, _, _ in work], DEV)
         logits = self.model.logits(self.model.forward(batch, self.kv, self.ssm))
         qsl = batch.query_start_loc.tolist()
         for sid, toks, _ in work:
@@ -94,7 +96,7 @@ class Session:
 
 @torch.no_grad()
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:  # -> [len(ids), V]
-    return hf(torch.tensor([ids])).logits[0]
+    return hf(torch.tensor([ids], device=DEV)).logits[0]
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,8 +173,8 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 @pytest.mark.parametrize("domain", SHIPPED)
 def test_greedy_matches_generate(domain: str) -> None:
     path = ROOT / "deploy" / "models" / domain
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    ours = load_model(path, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval().to(DEV)
+    ours = load_model(path, device=DEV, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = _prompts(domain, tok)
     eos, new = hf.config.eos_token_id, 64
@@ -190,7 +192,8 @@ def test_greedy_matches_generate(domain: str) -> None:
 
     # transformers: one unpadded batch of equal-length prompts
     with torch.no_grad():
-        g = hf.generate(torch.tensor(prompts), attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long),
+        g = hf.generate(torch.tensor(prompts, device=DEV),
+                        attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long, device=DEV),
                         max_new_tokens=new, do_sample=False, pad_token_id=hf.config.pad_token_id,
                         output_scores=True, return_dict_in_generate=True)
     matches = 0

@@ -11,6 +11,7 @@ a tool-call segment is decoded without speculation; per-request stats add up.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -28,13 +29,14 @@ from state.ssm_cache import SSMCache
 ROOT = Path(__file__).resolve().parents[1]
 DOMAINS = ["cpp", "python", "build", "shell"]
 NEW = 20
+DEV = os.environ.get("CANTATA_TEST_DEVICE", "cpu")  # "cuda" on a GPU machine: the same checks there
 
 
 def _engine(domain: str, mode: str = "on", k: int = 3, **kw) -> Engine:
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("num_blocks", 512)
     policy = SpeculationPolicy(mode=mode, num_speculative_tokens=k)
-    return Engine.from_pretrained(ROOT / "deploy" / "models" / domain, device="cpu", dtype=torch.float32,
+    return Engine.from_pretrained(ROOT / "deploy" / "models" / domain, device=DEV, dtype=torch.float32,
                                   policy=policy, **kw)
 
 
@@ -118,20 +120,20 @@ class _Oracle:
         self.engine, self.refs, self.rng = engine, refs, random.Random(seed)
         self.patterns: list[int] = []
 
-    def __call__(self, spec_rows, kmax: int) -> torch.Tensor:
+    def __call__(self, seqs, kmax: int):
         vocab = self.engine.model.embed.shape[0]
         out = []
-        for r in spec_rows:
-            ref = self.refs[r.seq.request_id]
-            pos = len(r.seq.output_ids)
+        for seq in seqs:
+            ref = self.refs[seq.request_id]
+            pos = len(seq.output_ids)
             good = self.rng.choice([0, kmax, self.rng.randint(0, kmax)])
-            self.patterns.append(min(good, r.k))
+            self.patterns.append(min(good, seq.spec_k))
             row = []
             for j in range(kmax):
                 truth = ref[pos + j] if pos + j < len(ref) else 0
                 row.append(truth if j < good else (truth + 1 + self.rng.randrange(vocab - 1)) % vocab)
             out.append(row)
-        return torch.tensor(out, dtype=torch.int64)
+        return torch.tensor(out, dtype=torch.int64, device=self.engine.device), [kmax] * len(out)
 
 
 def _fresh_ssm(engine: Engine, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -142,7 +144,7 @@ def _fresh_ssm(engine: Engine, tokens: list[int]) -> list[tuple[torch.Tensor, to
     slot = ssm.allocate()
     kv.add_sequence(0, tokens)
     kv.reserve(0, len(tokens))
-    batch = ForwardBatch.from_kv(kv, [(0, tokens, True)], [slot])
+    batch = ForwardBatch.from_kv(kv, [(0, tokens, True)], [slot], engine.device)
     model.forward(batch, kv, ssm)
     return [ssm.read(layer, [slot]) for layer in range(model.num_mamba_layers)]
 
