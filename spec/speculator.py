@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from spec.acceptance import TypicalParams, accept
+from spec.acceptance import AcceptanceResult, TypicalParams, accept
 
 
 @dataclass
@@ -97,22 +97,27 @@ class Speculator:
 
         res = self.runner.run([(r.seq.seq_id, r.tokens, r.prefill, r.seq.ssm_slot) for r in rows], fill)
         B = len(rows)
-        # target logits padded to [B, kmax+1, V]: row j of a row with k < j repeats its last row (ignored)
-        lidx, n = [], 0
-        for r in rows:
-            m = 1 if r.prefill else 1 + r.k
-            lidx.append([n + min(j, m - 1) for j in range(kmax + 1)])
-            n += m
-        target = res.logits[torch.tensor(lidx, device=dev)]  # [B, kmax+1, V]
-        draft_tokens = torch.zeros(B, max(kmax, 1), dtype=torch.int64, device=dev)
-        if drafts is not None:
-            spec_set = {id(s) for s in spec_seqs}
-            spec_pos = torch.tensor([i for i, r in enumerate(rows) if id(r.seq) in spec_set and not r.prefill], device=dev)
-            draft_tokens[spec_pos, :kmax] = drafts
-        num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)
         params = [r.seq.params for r in rows]
-        result = accept(target, draft_tokens[:, :kmax], num_drafts, params, [method] * B,
-                        [r.seq.generator for r in rows], typical=typical)
+        if kmax == 0 and all(p.greedy for p in params):  # plain greedy decode: no acceptance to do
+            first = res.logits.argmax(-1)  # [B] one logits row per sequence
+            result = AcceptanceResult(torch.zeros(B, dtype=torch.int64, device=dev), first[:, None])
+            draft_tokens = None
+        else:
+            # target logits padded to [B, kmax+1, V]: row j of a row with k < j repeats its last row (ignored)
+            lidx, n = [], 0
+            for r in rows:
+                m = 1 if r.prefill else 1 + r.k
+                lidx.append([n + min(j, m - 1) for j in range(kmax + 1)])
+                n += m
+            target = res.logits[torch.tensor(lidx, device=dev)]  # [B, kmax+1, V]
+            draft_tokens = torch.zeros(B, max(kmax, 1), dtype=torch.int64, device=dev)
+            if drafts is not None:
+                spec_set = {id(s) for s in spec_seqs}
+                spec_pos = torch.tensor([i for i, r in enumerate(rows) if id(r.seq) in spec_set and not r.prefill], device=dev)
+                draft_tokens[spec_pos, :kmax] = drafts
+            num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)
+            result = accept(target, draft_tokens[:, :kmax], num_drafts, params, [method] * B,
+                            [r.seq.generator for r in rows], typical=typical)
 
         if rebuild and self.drafter is not None:
             self._rebuild(rows, res, result.tokens, kmax)
