@@ -203,6 +203,23 @@ class Engine:
         self.scheduler.add(seq)
         return rid
 
+    def abort(self, request_id: str) -> bool:
+        """Drops a request (a client that went away): its blocks and slot are freed now. Call it from
+        the thread that runs `step`. False when the request is unknown or already finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.status is Status.FINISHED:
+            return False
+        if seq.status is Status.WAITING:
+            self.scheduler.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        else:
+            self.scheduler.finish(seq, "abort")
+            self.speculator.forget(seq.seq_id)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(self._output(seq))
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -226,3 +226,18 @@ def test_mode_off_never_drafts() -> None:
     outs = engine.generate(_prompts(engine, "cpp", n=3), SamplingParams(max_tokens=8, ignore_eos=True))
     assert all(o.speculation == "off" and o.stats.drafted == 0 for o in outs)
     assert engine.drafter is None
+
+
+def test_abort_frees_a_running_and_a_waiting_request() -> None:
+    engine = _engine("cpp", k=3, max_num_seqs=1)
+    prompts = _prompts(engine, "cpp", n=2)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    running = engine.add_request(prompts[0], params)
+    waiting = engine.add_request(prompts[1], params)
+    engine.step()
+    engine.step()
+    assert engine.abort(waiting) and engine.abort(running)
+    assert not engine.abort(running)  # already gone
+    assert not engine.has_unfinished()
+    _drain(engine)
+    assert engine.ssm.num_free() == engine.cfg.max_num_seqs
