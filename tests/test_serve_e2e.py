@@ -186,7 +186,6 @@ def test_chat_non_streaming_and_streaming(client, model):
         assert text == reply.choices[0].message.content
 
 
-@pytest.mark.skipif(not (REPO / "deploy" / "router").exists(), reason="no trained content classifier in deploy/router")
 def test_auto_routes_by_content(client):
     for domain, question in QUESTIONS.items():
         raw = client.chat.completions.with_raw_response.create(
