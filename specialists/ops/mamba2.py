@@ -387,9 +387,11 @@ def mamba2_multi_step(
         a = (dt * p.A).transpose(1, 2)  # [B, H, q]
         from_start = torch.exp(torch.cumsum(a, dim=-1))  # [B, H, q]
         decay = torch.exp(segsum(a))  # [B, H, q, q]
-        states = torch.einsum("bhts,bshp,bshn->bthpn", decay, xdt, Bh)
+        H, P, N = p.num_heads, p.head_dim, p.d_state
+        xb = (xdt[..., :, None] * Bh[..., None, :]).permute(0, 2, 1, 3, 4).reshape(Bsz, H, q, P * N)  # [B, H, q, P*N]
+        states = (decay @ xb).view(Bsz, H, q, P, N).transpose(1, 2)  # [B, q, H, P, N]: one batched matmul
         states = states + from_start.transpose(1, 2)[..., None, None] * ssm_state.float()[:, None]
-        y = torch.einsum("bthpn,bthn->bthp", states, Ch) + p.D.float()[:, None] * x
+        y = (states @ Ch[..., :, None])[..., 0] + p.D.float()[:, None] * x
 
     out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), z, u.dtype)
     return out, conv_states, states
