@@ -227,3 +227,25 @@ def test_triton_prefill_matches_torch_reference_on_cuda(mixers, T: int) -> None:
         diffs = [(a - b).abs().max().item() for a, b in zip(got, ref)]
         print(f"{name} T={T}: |triton - torch| y {diffs[0]:.2e} conv {diffs[1]:.2e} ssm {diffs[2]:.2e}")
         assert max(diffs) <= 1e-4, diffs
+
+
+@pytest.mark.parametrize("q", [2, 4, 6])
+@torch.no_grad()
+def test_verify_equals_multi_step(mixers, q: int) -> None:
+    """mamba2_verify (quadratic form, state factors) gives multi_step's outputs, and its factors
+    give multi_step's per-token states."""
+    from specialists.ops.mamba2 import mamba2_verify
+
+    for name, mixer in mixers.items():
+        p = Mamba2Params.from_hf(mixer)
+        torch.manual_seed(q)
+        u = torch.randn(3, q, p.hidden_size)
+        conv = torch.randn(3, p.conv_dim, p.d_conv - 1)
+        ssm = torch.randn(3, p.num_heads, p.head_dim, p.d_state)
+        y, convs, states = mamba2_multi_step(p, u, conv, ssm)
+        y2, convs2, factors = mamba2_verify(p, u, conv, ssm)
+        assert (y2 - y).abs().max().item() <= TOL, name
+        assert torch.equal(convs2, convs)
+        rows = torch.arange(3).repeat_interleave(q)
+        t = torch.arange(q).repeat(3)
+        assert (factors.state_after(rows, t) - states[rows, t]).abs().max().item() <= 1e-5, name

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill
+from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill, mamba2_verify
 from state.ssm_cache import NoFreeSlotsError, SSMCache, SSMCacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,17 +38,19 @@ def _prefill_into(cache: SSMCache, params, slot: int, inputs: list[torch.Tensor]
 
 
 @torch.no_grad()
-def _verify_step(cache: SSMCache, params, slots: list[int], u: list[torch.Tensor]) -> None:
-    """One multi-step of q tokens for every slot, in every Mamba layer, staged."""
+def _verify_step(cache: SSMCache, params, slots: list[int], u: list[torch.Tensor], step=mamba2_multi_step) -> None:
+    """One multi-step of q tokens for every slot, in every Mamba layer, staged (per-token states from
+    mamba2_multi_step, or state factors from mamba2_verify, which the engine uses for q > 1)."""
     for layer, p in enumerate(params):
         conv, ssm = cache.read(layer, slots)
-        _, convs, ssms = mamba2_multi_step(p, u[layer], conv, ssm)
+        _, convs, ssms = step(p, u[layer], conv, ssm)
         cache.stage(layer, slots, convs, ssms)
 
 
+@pytest.mark.parametrize("step", [mamba2_multi_step, mamba2_verify], ids=["states", "factors"])
 @pytest.mark.parametrize("q", [1, 4, 6])
 @torch.no_grad()
-def test_commit_equals_fresh_prefill_of_committed_tokens(params, q: int) -> None:
+def test_commit_equals_fresh_prefill_of_committed_tokens(params, q: int, step) -> None:
     """A batch of q+1 sequences at different lengths commits m = 0..q, one m each: every slot
     ends exactly where a fresh prefill of its committed tokens ends, the others don't move."""
     torch.manual_seed(q)
@@ -67,7 +69,7 @@ def test_commit_equals_fresh_prefill_of_committed_tokens(params, q: int) -> None
     before_conv, before_ssm = cache.conv.clone(), cache.ssm.clone()
 
     u = [torch.stack([s[layer][n:] for n, s in zip(prefix_len, seqs)]) for layer in range(len(params))]
-    _verify_step(cache, params, slots, u)
+    _verify_step(cache, params, slots, u, step)
     assert torch.equal(cache.conv, before_conv) and torch.equal(cache.ssm, before_ssm)  # staged only
     accepted = list(range(B))  # sequence b accepts b tokens, 0..q
     perm = list(reversed(range(B)))  # commit may list the slots in another order
@@ -86,8 +88,9 @@ def test_commit_equals_fresh_prefill_of_committed_tokens(params, q: int) -> None
     assert torch.equal(cache.conv[bystander], by_conv) and torch.equal(cache.ssm[bystander], by_ssm)
 
 
+@pytest.mark.parametrize("step", [mamba2_multi_step, mamba2_verify], ids=["states", "factors"])
 @torch.no_grad()
-def test_each_m_alone_and_repeated_steps(params) -> None:
+def test_each_m_alone_and_repeated_steps(params, step) -> None:
     """Uniform num_accepted = m for m in 0..q, then a second step from the committed state."""
     q = 4
     d = params[0].hidden_size
@@ -97,10 +100,10 @@ def test_each_m_alone_and_repeated_steps(params) -> None:
         cache = _cache(params, num_slots=2)
         slot = cache.allocate()
         _prefill_into(cache, params, slot, [x[:10] for x in s])
-        _verify_step(cache, params, [slot], [x[None, 10 : 10 + q] for x in s])
+        _verify_step(cache, params, [slot], [x[None, 10 : 10 + q] for x in s], step)
         cache.commit([slot], torch.tensor([m]))
         n = 10 + m
-        _verify_step(cache, params, [slot], [x[None, n : n + q] for x in s])
+        _verify_step(cache, params, [slot], [x[None, n : n + q] for x in s], step)
         cache.commit(torch.tensor([slot]), [q])
         for layer, p in enumerate(params):
             _, c, h = mamba2_prefill(p, s[layer][: n + q])

@@ -24,7 +24,7 @@ from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
     AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, mlp_block, rms_norm,
 )
-from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill
+from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill, mamba2_verify
 
 __all__ = ["BambaModel"]
 
@@ -97,7 +97,8 @@ class BambaModel(DecoderBase):
             u[r, c] = x[tok]
             step_slots = [slots[b] for b in steps]
             conv, state = ssm.read(layer, step_slots)
-            y, convs, states = mamba2_multi_step(p, u, conv, state)
+            # a verify keeps factors (the committed state is built at commit); a decode its one state
+            y, convs, states = (mamba2_multi_step if qmax == 1 else mamba2_verify)(p, u, conv, state)
             out[tok] = y[r, c]
             ssm.stage(layer, step_slots, convs, states)
         return out

@@ -39,6 +39,8 @@ __all__ = [
     "Mamba2Params",
     "mamba2_prefill",
     "mamba2_multi_step",
+    "mamba2_verify",
+    "StateFactors",
     "segsum",
 ]
 
@@ -395,3 +397,59 @@ def mamba2_multi_step(
 
     out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), z, u.dtype)
     return out, conv_states, states
+
+
+@dataclass
+class StateFactors:
+    """What the SSM state after any prefix of a verify's q tokens is made of, without the q states
+    themselves: state after token t = from_start[t] * ssm_in + sum_s decay[t, s] * xdt_s (outer) B_s."""
+
+    ssm_in: torch.Tensor  # [B, H, P, N] fp32, the state before the q tokens
+    from_start: torch.Tensor  # [B, H, q] exp(a_0 + ... + a_t)
+    decay: torch.Tensor  # [B, H, q, q] exp(segsum(a)), zero above the diagonal
+    xdt: torch.Tensor  # [B, q, H, P]
+    Bh: torch.Tensor  # [B, q, H, N]
+
+    @property
+    def q(self) -> int:
+        return int(self.from_start.shape[-1])
+
+    def state_after(self, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # rows, t [n] -> [n, H, P, N]
+        """The state after token t[i] (0-based) of sequence rows[i]."""
+        w = self.decay[rows, :, t, :]  # [n, H, q]: weight of each token's input at position t
+        xw = self.xdt[rows] * w.transpose(1, 2)[..., None]  # [n, q, H, P]
+        added = xw.permute(0, 2, 3, 1) @ self.Bh[rows].transpose(1, 2)  # [n, H, P, q] @ [n, H, q, N]
+        start = self.from_start[rows, :, t]  # [n, H]
+        return start[..., None, None] * self.ssm_in[rows] + added
+
+
+def mamba2_verify(
+    p: Mamba2Params,
+    u: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, StateFactors]:
+    """mamba2_multi_step for a verify: the same outputs and conv states, but the SSM states as
+    StateFactors (the state after the accepted prefix is built at commit, one per sequence) and
+    the outputs by the quadratic (attention-like) form, y = C_t . state_t without materializing
+    [B, q, H, P, N]. u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32."""
+    if u.dim() != 3:
+        raise ValueError(f"u must be [B, q, d], got {tuple(u.shape)}")
+    Bsz, q, _ = u.shape
+    K1 = p.d_conv - 1
+    z, xbc, dt_raw = _in_proj(p, u)
+    xbc, window = _conv(p, xbc, conv_state)
+    conv_states = window.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3).to(conv_state.dtype).contiguous()
+    x, Bh, Ch = _split_xbc(p, xbc)  # [B, q, H, P], [B, q, H, N]
+    dt = _dt(p, dt_raw)  # [B, q, H]
+    a = (dt * p.A).transpose(1, 2)  # [B, H, q]
+    from_start = torch.exp(torch.cumsum(a, dim=-1))  # [B, H, q]
+    decay = torch.exp(segsum(a))  # [B, H, q, q]
+    xdt = x * dt[..., None]
+    s0 = ssm_state.float()
+    C = Ch.transpose(1, 2)  # [B, H, q, N]
+    from_state = (C @ s0.transpose(-1, -2)) * from_start[..., None]  # [B, H, q, P]
+    scores = (C @ Bh.permute(0, 2, 3, 1)) * decay  # [B, H, q, q]
+    y = (from_state + scores @ xdt.transpose(1, 2)).transpose(1, 2) + p.D.float()[:, None] * x  # [B, q, H, P]
+    out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), z, u.dtype)
+    return out, conv_states, StateFactors(s0, from_start, decay, xdt, Bh)
