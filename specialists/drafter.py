@@ -25,15 +25,6 @@ from specialists.models.mtp import MTPDrafter
 from specialists.ops.attention import paged_attention, write_kv
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE over the full head dim, as mtp.rotary. x [T, H, hd]; positions [T]."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq  # [T, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)[:, None]  # [T, 1, hd]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
-
-
 class PagedDrafter:
     def __init__(
         self,
@@ -55,6 +46,7 @@ class PagedDrafter:
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         hd = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=p.device, dtype=torch.float32) / hd))
+        self._cos = self._sin = torch.empty(0, hd, device=p.device)  # [positions, hd] tables, grown on demand
         self.scale = hd ** -0.5
         self.vocab = None if vocab is None else vocab.to(p.device)
         head = lm_head if vocab is None else lm_head[self.vocab]
@@ -69,6 +61,14 @@ class PagedDrafter:
             self.w_gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight]).contiguous()
         self.split_qkv = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
         self.eps = cfg.rms_norm_eps
+        # fuse(prev, token) = proj([hidden_norm(prev), embed_norm(emb)]) = W_h hidden_norm(prev) + T[token],
+        # with T = embed_norm(E) W_e^T precomputed for the whole vocabulary ([V, d], one row read per token)
+        d = cfg.hidden_size
+        with torch.no_grad():
+            w = drafter.proj.weight  # [d, 2d]
+            self.w_hidden = w[:, :d].contiguous()
+            emb = F.rms_norm(embed.to(p.dtype), (d,), drafter.embed_norm.weight, self.eps)
+            self.token_proj = F.linear(emb, w[:, d:]).contiguous()  # [V, d]
         self.min_confidence = min_confidence
 
     @property
@@ -78,12 +78,24 @@ class PagedDrafter:
     def _norm(self, x: torch.Tensor, mod) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), mod.weight, self.eps)
 
-    def _qkv(self, x: torch.Tensor, pos: torch.Tensor):  # x [T, d] block input, pos [T] rope positions
+    def _tables(self, pos: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> cos, sin [T, 1, hd]
+        if max_pos >= self._cos.shape[0]:
+            n = max(2 * max_pos, 1024)
+            angles = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
+            emb = torch.cat([angles, angles], dim=-1)
+            self._cos, self._sin = emb.cos(), emb.sin()
+        return self._cos[pos][:, None], self._sin[pos][:, None]
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, max_pos: int):  # x [T, d], pos [T] rope positions <= max_pos
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = F.linear(self._norm(x, self.drafter.block.attn_norm), self.w_qkv).split(self.split_qkv, dim=-1)
-        q = _rope(q.view(t, cfg.num_attention_heads, cfg.head_dim), pos, self.inv_freq)
-        k = _rope(k.view(t, cfg.num_key_value_heads, cfg.head_dim), pos, self.inv_freq)
+        cos, sin = self._tables(pos, max_pos)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        q, k = q.view(t, cfg.num_attention_heads, cfg.head_dim), k.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        h = cfg.head_dim // 2
+        q = q * cos + torch.cat([-q[..., h:], q[..., :h]], dim=-1) * sin
+        k = k * cos + torch.cat([-k[..., h:], k[..., :h]], dim=-1) * sin
         return q, k, v.view(t, cfg.num_key_value_heads, cfg.head_dim)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # x [T, d], o [T, H, hd] -> [T, d]
@@ -93,9 +105,7 @@ class PagedDrafter:
         return x + F.linear(F.silu(gate) * up, blk.down_proj.weight)
 
     def _fuse(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [T, d], [T] -> [T, d]
-        d = self.drafter
-        emb = F.embedding(tokens, self.embed).to(prev.dtype)
-        return F.linear(torch.cat([self._norm(prev, d.hidden_norm), self._norm(emb, d.embed_norm)], dim=-1), d.proj.weight)
+        return F.linear(self._norm(prev, self.drafter.hidden_norm), self.w_hidden) + self.token_proj[tokens]
 
     @torch.inference_mode()
     def rebuild(
@@ -105,7 +115,7 @@ class PagedDrafter:
         next_tokens: torch.Tensor,  # [T] int64, the token that follows each one (garbage where not kept)
     ) -> torch.Tensor:  # [T, d] entry outputs
         x = self._fuse(hidden.to(self.k.dtype), next_tokens.clamp(min=0))
-        q, k, v = self._qkv(x, batch.positions + 1)
+        q, k, v = self._qkv(x, batch.positions + 1, batch.max_context_len)
         write_kv(k, v, self.k, self.v, batch.slot_mapping)
         return self._finish(x, paged_attention(q, self.k, self.v, batch, scale=self.scale))
 
@@ -145,7 +155,7 @@ class PagedDrafter:
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         for depth in range(2, k + 1):
             x = self._fuse(prev, drafts[-1])  # [B, d]
-            q, kk, vv = self._qkv(x, c + (depth - 1))  # entry index C + depth - 2, rope position + 1
+            q, kk, vv = self._qkv(x, c + (depth - 1), cmax + depth)  # entry index C + depth - 2, rope position + 1
             keys.append(kk[:, None])
             values.append(vv[:, None])
             mask = torch.cat([valid, tail_valid[:, : depth - 1]], dim=1)[:, None, None, :]  # [B, 1, 1, S]
