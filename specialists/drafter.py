@@ -145,9 +145,9 @@ class PagedDrafter:
         bs, cfg = self.block_size, self.cfg
         cmax = max(committed)
         nblk = -(-cmax // bs)
-        tab = tables[:, :nblk].long()
-        ctx_k = self.k[tab].reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]  # [B, C, Hkv, hd]
-        ctx_v = self.v[tab].reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]
+        tab = tables[:, :nblk].reshape(-1).long()
+        ctx_k = self.k.index_select(0, tab).reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]  # [B, C, Hkv, hd]
+        ctx_v = self.v.index_select(0, tab).reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]
         c = torch.tensor(committed, dtype=torch.int64, device=dev)
         valid = torch.arange(cmax, device=dev)[None, :] < c[:, None]  # [B, C]
         tail_valid = torch.ones(b, k - 1, dtype=torch.bool, device=dev)

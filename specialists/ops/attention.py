@@ -53,8 +53,9 @@ def paged_attention_torch(
         raise ValueError(f"block tables have {table.shape[1]} columns, contexts need {nblk}")
 
     # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
-    k = k_cache_layer[table].reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
-    v = v_cache_layer[table].reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
+    flat = table.reshape(-1)  # index_select: about 2x faster than advanced indexing on CPU
+    k = k_cache_layer.index_select(0, flat).reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
+    v = v_cache_layer.index_select(0, flat).reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
     j = torch.arange(max_ctx, device=q.device)
     ctx = batch.context_lens.to(q.device).long()  # [B]
     valid = (j[None, :] < ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
