@@ -164,11 +164,18 @@ class Engine:
         self.gate.set_policy(policy)
 
     def warmup(self) -> None:
-        """Runs the prefill, 1-token and (K+1)-token shapes once, then marks the engine ready."""
-        k = self.gate.policy.num_speculative_tokens
+        """Runs the prefill, the 1-token decode and (with a drafter) the (K+1)-token verify shapes
+        once each, then marks the engine ready. The policy in force is restored, its window fresh."""
+        policy = self.gate.policy
         ids = [self.tokenizer.convert_tokens_to_ids("<|im_start|>")] * 4
-        self.generate([ids], SamplingParams(max_tokens=2 * (k + 2), ignore_eos=True))
-        self.gate.set_policy(self.gate.policy)  # the warm-up's acceptance does not count
+        params = SamplingParams(max_tokens=2 * (policy.num_speculative_tokens + 2), ignore_eos=True)
+        modes = ["off"] + (["on"] if self.drafter is not None else [])
+        try:
+            for mode in modes:
+                self.gate.set_policy(policy.model_copy(update={"mode": mode}))
+                self.generate([ids], params)
+        finally:
+            self.gate.set_policy(policy)  # the warm-up's acceptance does not count
         self.ready = True
 
     def metrics(self) -> dict:

@@ -241,3 +241,17 @@ def test_abort_frees_a_running_and_a_waiting_request() -> None:
     assert not engine.has_unfinished()
     _drain(engine)
     assert engine.ssm.num_free() == engine.cfg.max_num_seqs
+
+
+def test_warmup_runs_decode_and_verify_shapes_and_restores_the_policy() -> None:
+    engine = _engine("build", mode="auto", k=3)
+    before = engine.gate.policy
+    assert not engine.ready
+    engine.warmup()
+    assert engine.ready and engine.gate.policy == before
+    assert engine.totals.spec_steps > 0  # the (K+1)-token verify ran
+    # and the plain run: 2 * (K + 2) = 10 tokens one step each (prefill + 9 one-token decodes), plus
+    # the speculative run's own prefill
+    assert engine.totals.steps - engine.totals.spec_steps >= 2 * (3 + 2) + 1
+    assert engine.gate.rolling_acceptance is None  # the warm-up's acceptance does not count
+    _drain(engine)
