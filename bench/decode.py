@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from policies.policy import SpeculationPolicy
     from specialists.engine import Engine  # after the refusal: no model work without weights
+    from specialists.models.mtp import MissingDrafterError
 
     dtype = DTYPES[args.dtype]
     engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
@@ -129,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --spec-k must be >= 1", file=sys.stderr)
             return 2
         policy = SpeculationPolicy(mode="on", num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
-        spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
-                                             max_num_seqs=args.batch_size, policy=policy,
-                                             draft_vocab_size=args.draft_vocab,
-                                             draft_min_confidence=args.draft_min_confidence)  # refuses without a drafter
+        try:
+            spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
+                                                 max_num_seqs=args.batch_size, policy=policy,
+                                                 draft_vocab_size=args.draft_vocab,
+                                                 draft_min_confidence=args.draft_min_confidence)
+        except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     tokenizer = engine.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours

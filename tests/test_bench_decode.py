@@ -54,3 +54,31 @@ def test_refuses_without_weights(tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["--model", str(empty), "--prompts", str(PROMPTS), "--limit", "1"]) == 2
+
+
+def test_spec_result_line(tmp_path: Path, capsys) -> None:
+    """--spec-k adds the speculative engine's figures, measured side by side in the same run."""
+    results = tmp_path / "results.jsonl"
+    rc = main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "3", "--max-new-tokens", "12",
+               "--spec-k", "3", "--skip-hf", "--results", str(results)])
+    assert rc == 0
+    result, _ = last_json(capsys)
+    assert {"spec_tok_s", "speedup", "identical_spec", "mean_accepted", "acceptance_by_position"} <= set(result)
+    assert result["hf_tok_s"] is None and result["ratio"] is None  # --skip-hf
+    assert result["identical_spec"] == 1.0  # greedy speculation is exact
+    assert result["speedup"] == pytest.approx(result["spec_tok_s"] / result["engine_tok_s"], rel=1e-2)
+    assert len(result["acceptance_by_position"]) == 3 and all(0 <= a <= 1 for a in result["acceptance_by_position"])
+    assert result["mean_accepted"] > 0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["spec_k"] == 3 and row["acceptance"] == "greedy"
+
+
+def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
+    """Lesson 1: no speculative figures from a checkpoint without trained drafter weights."""
+    bare = tmp_path / "nodrafter"
+    bare.mkdir()
+    for f in BUILD.iterdir():
+        if not f.name.startswith("mtp"):
+            shutil.copy2(f, bare / f.name)
+    assert main(["--model", str(bare), "--prompts", str(PROMPTS), "--limit", "1", "--spec-k", "3", "--skip-hf"]) == 2
+    assert "mtp.safetensors" in capsys.readouterr().err
