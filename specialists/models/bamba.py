@@ -75,8 +75,10 @@ class BambaModel(DecoderBase):
     def _mamba(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
         """x [T, d] normed -> mixer output [T, d]; prefills write their slots, the rest is staged."""
         out = torch.empty_like(x)
-        qsl = batch.query_start_loc.tolist()
-        slots = batch.ssm_slots.tolist()
+        qsl = [0]  # host copies: no device sync inside the forward
+        for n in batch.query_lens:
+            qsl.append(qsl[-1] + n)
+        slots = batch.ssm_slot_list or batch.ssm_slots.tolist()
         steps = [b for b in range(batch.num_seqs) if not batch.is_prefill[b]]
         for b in range(batch.num_seqs):
             if not batch.is_prefill[b]:

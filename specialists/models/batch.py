@@ -14,7 +14,7 @@ and slots of sequences already reserved in a KVCache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -52,6 +52,7 @@ class ForwardBatch:
     token_qidx: torch.Tensor  # [T] int64, index of each token among its sequence's new tokens
     max_query_len: int  # max q_b
     max_context_len: int  # max context_lens
+    ssm_slot_list: list[int] = field(default_factory=list)  # [B] host copy of ssm_slots (empty: not given)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +120,7 @@ class ForwardBatch:
             token_qidx=t(tq, torch.int64),
             max_query_len=max(len(s.token_ids) for s in steps),
             max_context_len=max(ctx),
+            ssm_slot_list=[s.ssm_slot for s in steps],
         )
 
     @classmethod
