@@ -7,7 +7,8 @@ layer indices to 0..num_layers-1.
 
 Step protocol:
     prefill:  y, conv, ssm = mamba2_prefill(...);         cache.write(layer, slot, conv, ssm)
-    decode / verify (q = 1 or K+1 tokens):
+    decode (q = 1, every row's one token is always kept): the model writes the new state at once
+    verify (q = K+1 tokens, or a batch mixing decodes and verifies):
               y, convs, ssms = mamba2_multi_step(p, u, *cache.read(layer, slots))   # or mamba2_verify
               cache.stage(layer, slots, convs, ssms)      # for every Mamba layer
               ... accept / reject ...

@@ -102,7 +102,10 @@ class BambaModel(DecoderBase):
             # a verify keeps factors (the committed state is built at commit); a decode its one state
             y, convs, states = (mamba2_multi_step if qmax == 1 else mamba2_verify)(p, u, conv, state)
             out[tok] = y[r, c]
-            ssm.stage(layer, step_slots, convs, states)
+            if qmax == 1:  # plain decodes: their one token is always committed, so write it now
+                ssm.write(layer, step_slots, convs[:, 0], states[:, 0])
+            else:
+                ssm.stage(layer, step_slots, convs, states)
         return out
 
     @torch.no_grad()
