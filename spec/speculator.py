@@ -86,7 +86,8 @@ class Speculator:
         fill = None
         if drafts is not None:
             drafts = drafts[:, :kmax]
-            spec_rows = [r for r in rows if not r.prefill and id(r.seq) in {id(s) for s in spec_seqs}]
+            spec_set = {id(s) for s in spec_seqs}
+            spec_rows = [r for r in rows if not r.prefill and id(r.seq) in spec_set]
             idx, src = [], []
             for i, r in enumerate(spec_rows):
                 idx.extend(range(r.t0 + 1, r.t0 + 1 + r.k))
@@ -112,7 +113,6 @@ class Speculator:
             target = res.logits[torch.tensor(lidx, device=dev)]  # [B, kmax+1, V]
             draft_tokens = torch.zeros(B, max(kmax, 1), dtype=torch.int64, device=dev)
             if drafts is not None:
-                spec_set = {id(s) for s in spec_seqs}
                 spec_pos = torch.tensor([i for i, r in enumerate(rows) if id(r.seq) in spec_set and not r.prefill], device=dev)
                 draft_tokens[spec_pos, :kmax] = drafts
             num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)

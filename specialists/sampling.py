@@ -1,7 +1,6 @@
-"""Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p, seeds.
-
-The sampler keeps everything on the device; the engine copies the chosen tokens to the host once
-per step.
+"""Sampling parameters (greedy, temperature, top-k, top-p, seed, stops, max_tokens) and the
+filtered target distribution. Tokens are chosen by spec/acceptance.py, on the device, for plain and
+speculative steps alike; the engine copies them to the host once per step.
 """
 
 from __future__ import annotations
@@ -52,19 +51,3 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
-
-def sample(
-    logits: torch.Tensor,  # [B, V] one row per sequence
-    params: list[SamplingParams],  # [B]
-    generators: list[torch.Generator | None],  # [B] per-sequence RNG (seeded requests)
-) -> torch.Tensor:  # [B] int64 token ids, on logits' device
-    greedy = logits.argmax(-1)
-    if all(p.greedy for p in params):
-        return greedy
-    out = greedy.clone()
-    for row, (p, gen) in enumerate(zip(params, generators)):  # per sequence, never per token
-        if p.greedy:
-            continue
-        probs = filtered_probs(logits[row : row + 1], p.temperature, p.top_k, p.top_p)
-        out[row] = torch.multinomial(probs, 1, generator=gen)[0, 0]
-    return out

@@ -37,7 +37,7 @@ Design choice: per-token states (or their factors), not snapshot + replay.
     through the model) to every partially accepted step -- i.e. roughly double the verify.
 
     The engine's verifies (q > 1) stage the states' factors instead (mamba2_verify ->
-    specialists.ops.mamba2.StateFactors: the state before, the decays, dt*x and B), computing the
+    specialists.ops.mamba2_steps.StateFactors: the state before, the decays, dt*x and B), computing the
     outputs by the quadratic form and only the committed state at commit. Same slot contents
     (tests/test_ssm_cache.py runs both to 1e-6); on the same CPU, 5th-percentile of 300 calls,
     forward plus building one committed state: q=4 0.66 ms against multi_step's 0.79 ms, q=6
@@ -150,7 +150,7 @@ class SSMCache:
     def stage(self, layer: int, slots, conv_states: torch.Tensor, ssm_states) -> None:
         """Hold the per-token states of a multi-step (conv_states [B, q, conv_dim, K-1], and
         ssm_states [B, q, H, P, N] or factors with ``q`` and ``state_after(rows, t)`` that build the
-        state after token t on demand, e.g. specialists.ops.mamba2.StateFactors) until ``commit``.
+        state after token t on demand, e.g. specialists.ops.mamba2_steps.StateFactors) until ``commit``.
         Nothing is written to the slots yet."""
         idx = self._slots(slots)
         layer = self._layer(layer)

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, BambaConfig
 from transformers.models.bamba.modeling_bamba import BambaMixer
 
-from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill, segsum
+from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, segsum
+from specialists.ops.mamba2_steps import mamba2_multi_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CPP = ROOT / "deploy" / "models" / "cpp"
@@ -234,7 +235,7 @@ def test_triton_prefill_matches_torch_reference_on_cuda(mixers, T: int) -> None:
 def test_verify_equals_multi_step(mixers, q: int) -> None:
     """mamba2_verify (quadratic form, state factors) gives multi_step's outputs, and its factors
     give multi_step's per-token states."""
-    from specialists.ops.mamba2 import mamba2_verify
+    from specialists.ops.mamba2_steps import mamba2_verify
 
     for name, mixer in mixers.items():
         p = Mamba2Params.from_hf(mixer)

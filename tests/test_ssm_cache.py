@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill, mamba2_verify
+from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill
+from specialists.ops.mamba2_steps import mamba2_multi_step, mamba2_verify
 from state.ssm_cache import NoFreeSlotsError, SSMCache, SSMCacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,8 @@ from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
     AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, mlp_block, rms_norm,
 )
-from specialists.ops.mamba2 import Mamba2Params, mamba2_multi_step, mamba2_prefill, mamba2_verify
+from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill
+from specialists.ops.mamba2_steps import mamba2_multi_step, mamba2_verify
 
 __all__ = ["BambaModel"]
 

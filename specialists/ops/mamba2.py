@@ -16,10 +16,10 @@ Entry points (all fp32 state, no Python loop over tokens):
   (None = zeros). CPU: a chunked SSD scan (intra-chunk [L, L] decay matrices, inter-chunk
   recurrence as one [nc+1, nc+1] decay matrix). CUDA with mamba-ssm: ``mamba_chunk_scan_combined``
   with ``initial_states`` / ``return_final_states``.
-* ``mamba2_multi_step(p, u[B, q, d], conv_state, ssm_state)``: q new tokens per sequence (q = 1 is
+* ``mamba2_multi_step`` / ``mamba2_verify`` (mamba2_steps.py): q new tokens per sequence (q = 1 is
   decode, q = K+1 the speculative verify) in closed form: cumulative log-decays and a [q, q]
-  lower-triangular decay matrix per head. Returns the conv and SSM state after EACH of the q
-  tokens, so that the caller (state/ssm_cache.py) can commit any accepted prefix.
+  lower-triangular decay matrix per head, so that the caller (state/ssm_cache.py) can commit any
+  accepted prefix.
 
 ``Mamba2Params`` holds the weights, built from a ``BambaMixer`` (``from_hf``) or from a state dict
 plus a BambaConfig (``from_state_dict``). mamba_ssm is never imported on CPU.
@@ -38,9 +38,6 @@ import torch.nn.functional as F
 __all__ = [
     "Mamba2Params",
     "mamba2_prefill",
-    "mamba2_multi_step",
-    "mamba2_verify",
-    "StateFactors",
     "segsum",
 ]
 
@@ -345,111 +342,3 @@ def mamba2_prefill(
 
     out = _gated_norm_out(p, y.reshape(T, p.d_inner), z, u.dtype)
     return out, new_conv, final.contiguous()
-
-
-# ---------------------------------------------------------------------------------------------
-# decode / verify: q tokens per sequence, per-token states
-# ---------------------------------------------------------------------------------------------
-
-
-def mamba2_multi_step(
-    p: Mamba2Params,
-    u: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q new tokens for each of B sequences.
-
-    u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32 ->
-    (y [B, q, d], conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N] fp32), where
-    conv_states[:, t] / ssm_states[:, t] are the states after token t (0-based). The inputs are
-    not modified.
-
-    Closed form over q: with a_t = dt_t A_h and S = segsum(a) ([q, q] per head),
-        state_t = exp(a_0 + ... + a_t) state_in + sum_{s<=t} exp(S[t, s]) dt_s x_s (outer) B_s
-        y_t = state_t . C_t + D x_t
-    """
-    if u.dim() != 3:
-        raise ValueError(f"u must be [B, q, d], got {tuple(u.shape)}")
-    Bsz, q, _ = u.shape
-    K1 = p.d_conv - 1
-    z, xbc, dt_raw = _in_proj(p, u)
-    xbc, window = _conv(p, xbc, conv_state)  # window [B, conv_dim, K-1+q]
-    # state after token t = the K-1 inputs ending at t: window[..., t+1 : t+K]
-    conv_states = window.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3).to(conv_state.dtype).contiguous()
-
-    x, Bh, Ch = _split_xbc(p, xbc)  # [B, q, H, P], [B, q, H, N]
-    dt = _dt(p, dt_raw)  # [B, q, H]
-    xdt = x * dt[..., None]
-    if q == 1:  # plain decode: state = exp(dt A) state + dt x (outer) B, no segment sums
-        decay1 = torch.exp(dt * p.A)[..., None, None]  # [B, 1, H, 1, 1]
-        states = decay1 * ssm_state.float()[:, None] + xdt[..., :, None] * Bh[..., None, :]  # [B, 1, H, P, N]
-        y = (states @ Ch[..., :, None])[..., 0] + p.D.float()[:, None] * x
-    else:
-        a = (dt * p.A).transpose(1, 2)  # [B, H, q]
-        from_start = torch.exp(torch.cumsum(a, dim=-1))  # [B, H, q]
-        decay = torch.exp(segsum(a))  # [B, H, q, q]
-        H, P, N = p.num_heads, p.head_dim, p.d_state
-        xb = (xdt[..., :, None] * Bh[..., None, :]).permute(0, 2, 1, 3, 4).reshape(Bsz, H, q, P * N)  # [B, H, q, P*N]
-        states = (decay @ xb).view(Bsz, H, q, P, N).transpose(1, 2)  # [B, q, H, P, N]: one batched matmul
-        states = states + from_start.transpose(1, 2)[..., None, None] * ssm_state.float()[:, None]
-        y = (states @ Ch[..., :, None])[..., 0] + p.D.float()[:, None] * x
-
-    out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), z, u.dtype)
-    return out, conv_states, states
-
-
-@dataclass
-class StateFactors:
-    """What the SSM state after any prefix of a verify's q tokens is made of, without the q states
-    themselves: state after token t = from_start[t] * ssm_in + sum_s decay[t, s] * xdt_s (outer) B_s."""
-
-    ssm_in: torch.Tensor  # [B, H, P, N] fp32, the state before the q tokens
-    from_start: torch.Tensor  # [B, H, q] exp(a_0 + ... + a_t)
-    decay: torch.Tensor  # [B, H, q, q] exp(segsum(a)), zero above the diagonal
-    xdt: torch.Tensor  # [B, q, H, P]
-    Bh: torch.Tensor  # [B, q, H, N]
-
-    @property
-    def q(self) -> int:
-        return int(self.from_start.shape[-1])
-
-    def state_after(self, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # rows, t [n] -> [n, H, P, N]
-        """The state after token t[i] (0-based) of sequence rows[i]."""
-        w = self.decay[rows, :, t, :]  # [n, H, q]: weight of each token's input at position t
-        xw = self.xdt[rows] * w.transpose(1, 2)[..., None]  # [n, q, H, P]
-        added = xw.permute(0, 2, 3, 1) @ self.Bh[rows].transpose(1, 2)  # [n, H, P, q] @ [n, H, q, N]
-        start = self.from_start[rows, :, t]  # [n, H]
-        return start[..., None, None] * self.ssm_in[rows] + added
-
-
-def mamba2_verify(
-    p: Mamba2Params,
-    u: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, StateFactors]:
-    """mamba2_multi_step for a verify: the same outputs and conv states, but the SSM states as
-    StateFactors (the state after the accepted prefix is built at commit, one per sequence) and
-    the outputs by the quadratic (attention-like) form, y = C_t . state_t without materializing
-    [B, q, H, P, N]. u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32."""
-    if u.dim() != 3:
-        raise ValueError(f"u must be [B, q, d], got {tuple(u.shape)}")
-    Bsz, q, _ = u.shape
-    K1 = p.d_conv - 1
-    z, xbc, dt_raw = _in_proj(p, u)
-    xbc, window = _conv(p, xbc, conv_state)
-    conv_states = window.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3).to(conv_state.dtype).contiguous()
-    x, Bh, Ch = _split_xbc(p, xbc)  # [B, q, H, P], [B, q, H, N]
-    dt = _dt(p, dt_raw)  # [B, q, H]
-    a = (dt * p.A).transpose(1, 2)  # [B, H, q]
-    from_start = torch.exp(torch.cumsum(a, dim=-1))  # [B, H, q]
-    decay = torch.exp(segsum(a))  # [B, H, q, q]
-    xdt = x * dt[..., None]
-    s0 = ssm_state.float()
-    C = Ch.transpose(1, 2)  # [B, H, q, N]
-    from_state = (C @ s0.transpose(-1, -2)) * from_start[..., None]  # [B, H, q, P]
-    scores = (C @ Bh.permute(0, 2, 3, 1)) * decay  # [B, H, q, q]
-    y = (from_state + scores @ xdt.transpose(1, 2)).transpose(1, 2) + p.D.float()[:, None] * x  # [B, q, H, P]
-    out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), z, u.dtype)
-    return out, conv_states, StateFactors(s0, from_start, decay, xdt, Bh)

@@ -1,0 +1,128 @@
+"""The Mamba2 mixer over q new tokens per sequence (decode: q = 1, verify: q = K+1), for sequences
+whose conv and SSM states sit in an SSMCache. The prefill and the shared pieces (in_proj, conv,
+gated norm) are in mamba2.py.
+
+  mamba2_multi_step: outputs and the states after each of the q tokens (the reference; decodes).
+  mamba2_verify:     the same outputs, the SSM states as StateFactors, from which commit builds only
+                     the state after the accepted prefix (the engine's verifies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, segsum
+
+__all__ = ["mamba2_multi_step", "mamba2_verify", "StateFactors"]
+
+
+@dataclass
+class _Step:
+    z: torch.Tensor  # [B, q, d_inner] gate
+    conv_states: torch.Tensor  # [B, q, conv_dim, K-1] conv state after each token
+    x: torch.Tensor  # [B, q, H, P]
+    Bh: torch.Tensor  # [B, q, H, N]
+    Ch: torch.Tensor  # [B, q, H, N]
+    dt: torch.Tensor  # [B, q, H]
+    xdt: torch.Tensor  # [B, q, H, P]
+
+
+def _step_inputs(p: Mamba2Params, u: torch.Tensor, conv_state: torch.Tensor) -> _Step:
+    """u [B, q, d], conv_state [B, conv_dim, K-1] -> the projected, convolved inputs of q tokens."""
+    if u.dim() != 3:
+        raise ValueError(f"u must be [B, q, d], got {tuple(u.shape)}")
+    K1 = p.d_conv - 1
+    z, xbc, dt_raw = _in_proj(p, u)
+    xbc, window = _conv(p, xbc, conv_state)  # window [B, conv_dim, K-1+q]
+    # state after token t = the K-1 inputs ending at t: window[..., t+1 : t+K]
+    conv_states = window.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3).to(conv_state.dtype).contiguous()
+    x, Bh, Ch = _split_xbc(p, xbc)
+    dt = _dt(p, dt_raw)
+    return _Step(z, conv_states, x, Bh, Ch, dt, x * dt[..., None])
+
+
+def _decays(p: Mamba2Params, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dt [B, q, H] -> (from_start [B, H, q] = exp(a_0 + ... + a_t), decay [B, H, q, q] = exp(segsum(a)))."""
+    a = (dt * p.A).transpose(1, 2)
+    return torch.exp(torch.cumsum(a, dim=-1)), torch.exp(segsum(a))
+
+
+def mamba2_multi_step(
+    p: Mamba2Params,
+    u: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q new tokens for each of B sequences.
+
+    u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32 ->
+    (y [B, q, d], conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N] fp32), where
+    conv_states[:, t] / ssm_states[:, t] are the states after token t (0-based). The inputs are
+    not modified.
+
+    Closed form over q: with a_t = dt_t A_h and S = segsum(a) ([q, q] per head),
+        state_t = exp(a_0 + ... + a_t) state_in + sum_{s<=t} exp(S[t, s]) dt_s x_s (outer) B_s
+        y_t = state_t . C_t + D x_t
+    """
+    st = _step_inputs(p, u, conv_state)
+    Bsz, q = u.shape[:2]
+    if q == 1:  # plain decode: state = exp(dt A) state + dt x (outer) B, no segment sums
+        decay1 = torch.exp(st.dt * p.A)[..., None, None]  # [B, 1, H, 1, 1]
+        states = decay1 * ssm_state.float()[:, None] + st.xdt[..., :, None] * st.Bh[..., None, :]  # [B, 1, H, P, N]
+    else:
+        from_start, decay = _decays(p, st.dt)
+        H, P, N = p.num_heads, p.head_dim, p.d_state
+        xb = (st.xdt[..., :, None] * st.Bh[..., None, :]).permute(0, 2, 1, 3, 4).reshape(Bsz, H, q, P * N)  # [B, H, q, P*N]
+        states = (decay @ xb).view(Bsz, H, q, P, N).transpose(1, 2)  # [B, q, H, P, N]: one batched matmul
+        states = states + from_start.transpose(1, 2)[..., None, None] * ssm_state.float()[:, None]
+    y = (states @ st.Ch[..., :, None])[..., 0] + p.D.float()[:, None] * st.x
+    out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), st.z, u.dtype)
+    return out, st.conv_states, states
+
+
+@dataclass
+class StateFactors:
+    """What the SSM state after any prefix of a verify's q tokens is made of, without the q states
+    themselves: state after token t = from_start[t] * ssm_in + sum_s decay[t, s] * xdt_s (outer) B_s."""
+
+    ssm_in: torch.Tensor  # [B, H, P, N] fp32, the state before the q tokens
+    from_start: torch.Tensor  # [B, H, q] exp(a_0 + ... + a_t)
+    decay: torch.Tensor  # [B, H, q, q] exp(segsum(a)), zero above the diagonal
+    xdt: torch.Tensor  # [B, q, H, P]
+    Bh: torch.Tensor  # [B, q, H, N]
+
+    @property
+    def q(self) -> int:
+        return int(self.from_start.shape[-1])
+
+    def state_after(self, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # rows, t [n] -> [n, H, P, N]
+        """The state after token t[i] (0-based) of sequence rows[i]."""
+        w = self.decay[rows, :, t, :]  # [n, H, q]: weight of each token's input at position t
+        xw = self.xdt[rows] * w.transpose(1, 2)[..., None]  # [n, q, H, P]
+        added = xw.permute(0, 2, 3, 1) @ self.Bh[rows].transpose(1, 2)  # [n, H, P, q] @ [n, H, q, N]
+        start = self.from_start[rows, :, t]  # [n, H]
+        return start[..., None, None] * self.ssm_in[rows] + added
+
+
+def mamba2_verify(
+    p: Mamba2Params,
+    u: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, StateFactors]:
+    """mamba2_multi_step for a verify: the same outputs and conv states, but the SSM states as
+    StateFactors (the state after the accepted prefix is built at commit, one per sequence) and
+    the outputs by the quadratic (attention-like) form, y = C_t . state_t without materializing
+    [B, q, H, P, N]. u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32."""
+    st = _step_inputs(p, u, conv_state)
+    Bsz, q = u.shape[:2]
+    from_start, decay = _decays(p, st.dt)
+    s0 = ssm_state.float()
+    C = st.Ch.transpose(1, 2)  # [B, H, q, N]
+    from_state = (C @ s0.transpose(-1, -2)) * from_start[..., None]  # [B, H, q, P]
+    scores = (C @ st.Bh.permute(0, 2, 3, 1)) * decay  # [B, H, q, q]
+    y = (from_state + scores @ st.xdt.transpose(1, 2)).transpose(1, 2) + p.D.float()[:, None] * st.x  # [B, q, H, P]
+    out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), st.z, u.dtype)
+    return out, st.conv_states, StateFactors(s0, from_start, decay, st.xdt, st.Bh)
