@@ -146,23 +146,26 @@ class PagedDrafter:
         cmax = max(committed)
         nblk = -(-cmax // bs)
         tab = tables[:, :nblk].reshape(-1).long()
-        ctx_k = self.k.index_select(0, tab).reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]  # [B, C, Hkv, hd]
-        ctx_v = self.v.index_select(0, tab).reshape(b, nblk * bs, cfg.num_key_value_heads, cfg.head_dim)[:, :cmax]
+        hkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        # one dense [B, C + k - 1] buffer: the committed context, then the chained entries in place
+        keys = self.k.new_empty(b, cmax + k - 1, hkv, hd)
+        values = self.v.new_empty(b, cmax + k - 1, hkv, hd)
+        keys[:, :cmax] = self.k.index_select(0, tab).reshape(b, nblk * bs, hkv, hd)[:, :cmax]
+        values[:, :cmax] = self.v.index_select(0, tab).reshape(b, nblk * bs, hkv, hd)[:, :cmax]
         c = torch.tensor(committed, dtype=torch.int64, device=dev)
-        valid = torch.arange(cmax, device=dev)[None, :] < c[:, None]  # [B, C]
-        tail_valid = torch.ones(b, k - 1, dtype=torch.bool, device=dev)
-        keys, values = [ctx_k], [ctx_v]
+        span = torch.arange(cmax + k - 1, device=dev)[None, :]
+        mask = ((span < c[:, None]) | (span >= cmax))[:, None, None, :]  # [B, 1, 1, S]: context + tail
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         for depth in range(2, k + 1):
             x = self._fuse(prev, drafts[-1])  # [B, d]
             q, kk, vv = self._qkv(x, c + (depth - 1), cmax + depth)  # entry index C + depth - 2, rope position + 1
-            keys.append(kk[:, None])
-            values.append(vv[:, None])
-            mask = torch.cat([valid, tail_valid[:, : depth - 1]], dim=1)[:, None, None, :]  # [B, 1, 1, S]
+            n = cmax + depth - 1
+            keys[:, n - 1] = kk
+            values[:, n - 1] = vv
             o = F.scaled_dot_product_attention(
                 q[:, :, None, :],  # [B, H, 1, hd]
-                torch.cat(keys, dim=1).transpose(1, 2), torch.cat(values, dim=1).transpose(1, 2),
-                attn_mask=mask, scale=self.scale, enable_gqa=groups > 1,
+                keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
+                attn_mask=mask[..., :n], scale=self.scale, enable_gqa=groups > 1,
             )  # [B, H, 1, hd]
             prev = self._finish(x, o[:, :, 0, :])
             token, conf = self._argmax(prev)

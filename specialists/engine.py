@@ -76,6 +76,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
     draft_min_confidence: float | None = None  # stop drafting below this drafter probability (None: 0.3 on CPU, off on GPU)
+    pad_batches: bool | None = None  # pad decode/verify batches to batch-size buckets (None: on CUDA only)
 
 
 class Engine:
@@ -89,11 +90,11 @@ class Engine:
         self.kv = KVCache(model.kv_cache_config(num_blocks, cfg.block_size, cfg.enable_prefix_cache and not hybrid))
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = Runner(model, self.kv, self.ssm, device)
+        self.runner = Runner(model, self.kv, self.ssm, device, cfg.pad_batches)
         conf = cfg.draft_min_confidence
         if conf is None:
             conf = 0.3 if torch.device(device).type == "cpu" else 0.0
-        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf)
+        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks + 1, cfg.block_size, draft_vocab, conf)
                         if drafter is not None else None)
         if policy is None:
             policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")
@@ -131,6 +132,7 @@ class Engine:
         load_mtp: bool = True,
         draft_vocab_size: int | None = None,
         draft_min_confidence: float | None = None,
+        pad_batches: bool | None = None,
     ) -> "Engine":
         """`policy` None: speculation in the default policy when the checkpoint has a drafter, off
         otherwise; asking for speculation without a drafter raises MissingDrafterError.
@@ -140,7 +142,7 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         limit = min(model.config.max_position_embeddings, max_model_len or 2048)
         cfg = EngineConfig(max_num_seqs, limit, block_size, num_blocks, enable_prefix_cache,
-                           draft_min_confidence=draft_min_confidence)
+                           draft_min_confidence=draft_min_confidence, pad_batches=pad_batches)
         drafter = None
         if load_mtp and (policy is None or policy.mode != "off"):
             try:

@@ -70,7 +70,10 @@ class KVCache:
             raise ValueError(f"block_size must be positive, got {cfg.block_size}")
         self.cfg = cfg
         self.block_size = cfg.block_size
-        shape = (cfg.num_layers, cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # one block past the pool: scratch, never handed out, where padding rows of a bucketed batch
+        # write (specialists/runner.py); nothing reads it back
+        self.scratch_block = cfg.num_blocks
+        shape = (cfg.num_layers, cfg.num_blocks + 1, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k: torch.Tensor = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)  # [L, num_blocks, block_size, H_kv, D]
         self.v: torch.Tensor = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)  # [L, num_blocks, block_size, H_kv, D]
         self.pool = BlockPool(cfg.num_blocks)

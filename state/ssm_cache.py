@@ -1,7 +1,7 @@
 """SSM state slots (conv + SSM state per sequence and Mamba layer), with speculative rollback.
 
-Layout: ``conv`` [num_slots, num_layers, conv_dim, d_conv-1] (conv_dtype) and ``ssm``
-[num_slots, num_layers, H, P, N] float32. A sequence owns one slot from ``allocate()`` (zeroed)
+Layout: ``conv`` [num_slots + 1, num_layers, conv_dim, d_conv-1] (conv_dtype) and ``ssm``
+[num_slots + 1, num_layers, H, P, N] float32 (the last slot is scratch for padding rows). A sequence owns one slot from ``allocate()`` (zeroed)
 to ``free()`` (zeroed again). ``num_layers`` counts Mamba layers only; the caller maps model
 layer indices to 0..num_layers-1.
 
@@ -77,11 +77,14 @@ class SSMCache:
             raise ValueError(f"bad SSMCacheConfig: {config}")
         self.config = config
         c = config
+        # one slot past the pool: scratch, never allocated, read by the padding rows of a bucketed
+        # batch (specialists/runner.py) and never written
+        self.scratch_slot = c.num_slots
         self.conv = torch.zeros(
-            c.num_slots, c.num_layers, c.conv_dim, c.d_conv - 1, dtype=c.conv_dtype, device=c.device
+            c.num_slots + 1, c.num_layers, c.conv_dim, c.d_conv - 1, dtype=c.conv_dtype, device=c.device
         )
         self.ssm = torch.zeros(
-            c.num_slots, c.num_layers, c.num_heads, c.head_dim, c.d_state, dtype=torch.float32, device=c.device
+            c.num_slots + 1, c.num_layers, c.num_heads, c.head_dim, c.d_state, dtype=torch.float32, device=c.device
         )
         self._free: list[int] = list(range(c.num_slots))  # kept sorted: lowest slot first
         self._owned: set[int] = set()
@@ -114,12 +117,15 @@ class SSMCache:
         return len(self._free)
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _slots(self, slots) -> torch.Tensor:
+    def _slots(self, slots, scratch_ok: bool = False) -> torch.Tensor:
         t = torch.as_tensor(slots, dtype=torch.long).reshape(-1).cpu()
-        bad = [s for s in t.tolist() if s not in self._owned]
+        ids = t.tolist()
+        if scratch_ok:
+            ids = [s for s in ids if s != self.scratch_slot]
+        bad = [s for s in ids if s not in self._owned]
         if bad:
             raise ValueError(f"slots {bad} are not allocated")
-        if len(set(t.tolist())) != t.numel():
+        if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate slots {t.tolist()}")
         return t
 
@@ -129,10 +135,11 @@ class SSMCache:
         return layer
 
     def read(self, layer: int, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of (conv [B, conv_dim, K-1], ssm [B, H, P, N]) for the given slots."""
-        idx = self._slots(slots).to(self.conv.device)
+        """Copies of (conv [B, conv_dim, K-1], ssm [B, H, P, N]) for the given slots (the scratch
+        slot may appear, any number of times: padding rows)."""
+        idx = self._slots(slots, scratch_ok=True).to(self.conv.device)
         layer = self._layer(layer)
-        return self.conv[idx, layer], self.ssm[idx, layer]
+        return self.conv[:, layer].index_select(0, idx), self.ssm[:, layer].index_select(0, idx)
 
     # -- writes ------------------------------------------------------------------------------------
     def write(self, layer: int, slots, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
@@ -144,8 +151,8 @@ class SSMCache:
         conv_state = conv_state.reshape(idx.numel(), c.conv_dim, c.d_conv - 1)
         ssm_state = ssm_state.reshape(idx.numel(), c.num_heads, c.head_dim, c.d_state)
         idx = idx.to(self.conv.device)
-        self.conv[idx, layer] = conv_state.to(self.conv.device, self.conv.dtype)
-        self.ssm[idx, layer] = ssm_state.to(self.ssm.device, torch.float32)
+        self.conv[:, layer].index_copy_(0, idx, conv_state.to(self.conv.device, self.conv.dtype))
+        self.ssm[:, layer].index_copy_(0, idx, ssm_state.to(self.ssm.device, torch.float32))
 
     def stage(self, layer: int, slots, conv_states: torch.Tensor, ssm_states) -> None:
         """Hold the per-token states of a multi-step (conv_states [B, q, conv_dim, K-1], and

@@ -286,3 +286,28 @@ def test_stream_matches_generate(domain: str, engines) -> None:
     assert all(not s.finished for s in snaps[:-1]) and snaps[-1].finished and snaps[-1].finish_reason == "length"
     ref = eng.generate([prompt], params)[0]
     assert snaps[-1].token_ids == ref.token_ids and snaps[-1].text == ref.text
+
+
+# ---- static buffers, batch-size buckets -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("domain", MODELS)
+def test_bucket_padding_changes_nothing(domain: str, engines) -> None:
+    """Decode and verify batches padded to batch-size buckets (padding rows in the scratch KV block and
+    SSM slot) give the same tokens as unpadded ones, speculation off and on, and keep every invariant."""
+    from policies.policy import SpeculationPolicy
+    from specialists.runner import bucket_size
+
+    assert [bucket_size(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    outs = {}
+    for pad in (False, True):
+        for mode in ("off", "on"):
+            eng = engines.get(domain, fresh=True, pad_batches=pad, draft_min_confidence=0.0,
+                              policy=SpeculationPolicy(mode=mode, num_speculative_tokens=3))
+            prompts = [p[-n:] for p, n in zip(prompt_ids(domain, eng.tokenizer, 5, 64, skip=2), (64, 30, 47, 12, 58))]
+            outs[pad, mode] = [o.token_ids for o in eng.generate(prompts, greedy(20))]
+            assert (eng.runner.padded_steps > 0) == pad  # 5 rows -> bucket 8 on every decode / verify step
+            if eng.ssm is not None:  # the scratch slot is never written by padding rows' commits
+                assert eng.ssm.scratch_slot not in eng.ssm._owned
+    for key, got in outs.items():
+        assert got == outs[False, "off"], f"{key}: differs from the unpadded, non-speculative run"

@@ -103,10 +103,11 @@ class BambaModel(DecoderBase):
             # a verify keeps factors (the committed state is built at commit); a decode its one state
             y, convs, states = (mamba2_multi_step if qmax == 1 else mamba2_verify)(p, u, conv, state)
             out[tok] = y[r, c]
+            n = len(steps) - batch.num_pad  # padding rows (the last ones) keep nothing
             if qmax == 1:  # plain decodes: their one token is always committed, so write it now
-                ssm.write(layer, step_slots, convs[:, 0], states[:, 0])
+                ssm.write(layer, step_slots[:n], convs[:n, 0], states[:n, 0])
             else:
-                ssm.stage(layer, step_slots, convs, states)
+                ssm.stage(layer, step_slots[:n], convs[:n], states if n == len(steps) else states.rows(n))
         return out
 
     @torch.no_grad()

@@ -53,6 +53,7 @@ class ForwardBatch:
     max_query_len: int  # max q_b
     max_context_len: int  # max context_lens
     ssm_slot_list: list[int] = field(default_factory=list)  # [B] host copy of ssm_slots (empty: not given)
+    num_pad: int = 0  # the last num_pad rows are padding (a bucketed batch): computed, never committed
 
     @property
     def num_tokens(self) -> int:

@@ -47,38 +47,60 @@ def paged_attention_torch(
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
-    nblk = -(-max_ctx // bs)
-    table = batch.block_tables[:, :nblk].long()  # [B, nblk]
-    if table.shape[1] < nblk:
-        raise ValueError(f"block tables have {table.shape[1]} columns, contexts need {nblk}")
+    flat, valid, mask = _metadata(batch, bs, q.device)
 
     # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
-    flat = table.reshape(-1)  # index_select: about 2x faster than advanced indexing on CPU
-    k = k_cache_layer.index_select(0, flat).reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
-    v = v_cache_layer.index_select(0, flat).reshape(B, nblk * bs, hkv, d)[:, :max_ctx]
-    j = torch.arange(max_ctx, device=q.device)
-    ctx = batch.context_lens.to(q.device).long()  # [B]
-    valid = (j[None, :] < ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
+    k = k_cache_layer.index_select(0, flat).reshape(B, -1, hkv, d)[:, :max_ctx]
+    v = v_cache_layer.index_select(0, flat).reshape(B, -1, hkv, d)[:, :max_ctx]
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
     k = torch.where(valid, k, zero).to(q.dtype)
     v = torch.where(valid, v, zero).to(q.dtype)
 
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
-    qp = q.new_zeros(B, max_q, hq, d)
-    qp[batch.token_seq, batch.token_qidx] = q
-    qpos = torch.zeros(B, max_q, dtype=torch.long, device=q.device)
-    qpos[batch.token_seq, batch.token_qidx] = batch.positions
-    mask = j[None, None, :] <= qpos[..., None]  # [B, max_q, max_ctx], causal within the context
+    if max_q == 1:  # decode: one token per sequence, in sequence order
+        qp = q[:, None]
+    else:
+        qp = q.new_zeros(B, max_q, hq, d)
+        qp[batch.token_seq, batch.token_qidx] = q
 
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2),  # [B, H_q, max_q, D]
         k.transpose(1, 2),  # [B, H_kv, max_ctx, D]
         v.transpose(1, 2),
-        attn_mask=mask[:, None],
+        attn_mask=mask,
         scale=scale,
         enable_gqa=hq != hkv,
     )  # [B, H_q, max_q, D]
+    if max_q == 1:
+        return out[:, :, 0]  # [T = B, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
+
+
+def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every attention layer of a step (and the drafter's rebuild) shares, built once per batch:
+    the flat block ids to gather [B * nblk], the valid-context mask [B, max_ctx, 1, 1] and the
+    causal mask [B, 1, max_q, max_ctx]."""
+    key = (bs, device)
+    cache = batch.__dict__.setdefault("_attn_meta", {})
+    if key in cache:
+        return cache[key]
+    B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
+    nblk = -(-max_ctx // bs)
+    table = batch.block_tables[:, :nblk].long()  # [B, nblk]
+    if table.shape[1] < nblk:
+        raise ValueError(f"block tables have {table.shape[1]} columns, contexts need {nblk}")
+    flat = table.reshape(-1).to(device)  # index_select: about 2x faster than advanced indexing on CPU
+    j = torch.arange(max_ctx, device=device)
+    ctx = batch.context_lens.to(device).long()  # [B]
+    valid = (j[None, :] < ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
+    if max_q == 1:
+        qpos = batch.positions.to(device)[:, None]  # [B, 1]
+    else:
+        qpos = torch.zeros(B, max_q, dtype=torch.long, device=device)
+        qpos[batch.token_seq, batch.token_qidx] = batch.positions
+    mask = (j[None, None, :] <= qpos[..., None])[:, None]  # [B, 1, max_q, max_ctx], causal within the context
+    cache[key] = (flat, valid, mask)
+    return cache[key]
 
 
 # device type -> implementation; a CUDA kernel (Triton / flash-attn with block tables) goes here.

@@ -69,8 +69,8 @@ def mamba2_multi_step(
     st = _step_inputs(p, u, conv_state)
     Bsz, q = u.shape[:2]
     if q == 1:  # plain decode: state = exp(dt A) state + dt x (outer) B, no segment sums
-        decay1 = torch.exp(st.dt * p.A)[..., None, None]  # [B, 1, H, 1, 1]
-        states = decay1 * ssm_state.float()[:, None] + st.xdt[..., :, None] * st.Bh[..., None, :]  # [B, 1, H, P, N]
+        decay1 = torch.exp(st.dt[:, 0] * p.A)[..., None, None]  # [B, H, 1, 1]
+        states = torch.addcmul(decay1 * ssm_state.float(), st.xdt[:, 0, :, :, None], st.Bh[:, 0, :, None, :])[:, None]  # [B, 1, H, P, N]
     else:
         from_start, decay = _decays(p, st.dt)
         H, P, N = p.num_heads, p.head_dim, p.d_state
@@ -92,6 +92,10 @@ class StateFactors:
     decay: torch.Tensor  # [B, H, q, q] exp(segsum(a)), zero above the diagonal
     xdt: torch.Tensor  # [B, q, H, P]
     Bh: torch.Tensor  # [B, q, H, N]
+
+    def rows(self, n: int) -> "StateFactors":
+        """The factors of the first n sequences."""
+        return StateFactors(self.ssm_in[:n], self.from_start[:n], self.decay[:n], self.xdt[:n], self.Bh[:n])
 
     @property
     def q(self) -> int:
