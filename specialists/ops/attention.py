@@ -52,9 +52,10 @@ def paged_attention_torch(
     # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
     k = k_cache_layer.index_select(0, flat).reshape(B, -1, hkv, d)[:, :max_ctx]
     v = v_cache_layer.index_select(0, flat).reshape(B, -1, hkv, d)[:, :max_ctx]
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    k = torch.where(valid, k, zero).to(q.dtype)
-    v = torch.where(valid, v, zero).to(q.dtype)
+    if B > 1:  # one sequence: every gathered slot up to max_ctx is its own context
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)
+        k, v = torch.where(valid, k, zero), torch.where(valid, v, zero)
+    k, v = k.to(q.dtype), v.to(q.dtype)
 
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
     if max_q == 1:  # decode: one token per sequence, in sequence order
