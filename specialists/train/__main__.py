@@ -10,6 +10,7 @@ Commands (each module exposes `cli(argv) -> int`):
   mtp        train the MTP drafter of a trained backbone, backbone frozen      (trainer.py)
   export     assemble a shippable model dir (bf16) with provenance            (export.py)
   draft-vocab  the drafter's vocabulary (most frequent training tokens)        (draftvocab.py)
+  loop-exit  generate | build: on-policy replies, then loop-exit conversations (loopexit.py)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _COMMANDS = {
     "mtp": "specialists.train.trainer",
     "export": "specialists.train.export",
     "draft-vocab": "specialists.train.draftvocab",
+    "loop-exit": "specialists.train.loopexit",
 }
 
 
