@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
-from specialists.ops.attention import paged_attention, write_kv
+from specialists.ops.attention import paged_attention, workspace, write_kv
 
 
 class PagedDrafter:
@@ -148,10 +148,11 @@ class PagedDrafter:
         tab = tables[:, :nblk].reshape(-1).long()
         hkv, hd = cfg.num_key_value_heads, cfg.head_dim
         # one dense [B, C + k - 1] buffer: the committed context, then the chained entries in place
-        keys = self.k.new_empty(b, cmax + k - 1, hkv, hd)
-        values = self.v.new_empty(b, cmax + k - 1, hkv, hd)
-        keys[:, :cmax] = self.k.index_select(0, tab).reshape(b, nblk * bs, hkv, hd)[:, :cmax]
-        values[:, :cmax] = self.v.index_select(0, tab).reshape(b, nblk * bs, hkv, hd)[:, :cmax]
+        keys = workspace("chain.k", (b, cmax + k - 1, hkv, hd), self.k.dtype, self.k.device)
+        values = workspace("chain.v", (b, cmax + k - 1, hkv, hd), self.v.dtype, self.v.device)
+        gathered = workspace("chain.gather", (tab.numel(), bs, hkv, hd), self.k.dtype, self.k.device)
+        for pool, dst in ((self.k, keys), (self.v, values)):
+            dst[:, :cmax] = torch.index_select(pool, 0, tab, out=gathered).view(b, nblk * bs, hkv, hd)[:, :cmax]
         c = torch.tensor(committed, dtype=torch.int64, device=dev)
         span = torch.arange(cmax + k - 1, device=dev)[None, :]
         mask = ((span < c[:, None]) | (span >= cmax))[:, None, None, :]  # [B, 1, 1, S]: context + tail

@@ -169,7 +169,7 @@ class Runner:
                 is_prefill=[r[2] for r in rows] + [False] * (nb - B), token_seq=seg(3, nt), token_qidx=seg(4, nt),
                 max_query_len=max(qlens), max_context_len=int(max(ctx[:nb])),
                 ssm_slot_list=[r[3] for r in rows] + [int(sslot[B])] * (nb - B) if nb > B else [r[3] for r in rows],
-                num_pad=nb - B,
+                context_len_list=ctx[:nb].tolist(), num_pad=nb - B,
             )
 
         real = batch(B, T, n_logits)
