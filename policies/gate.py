@@ -6,6 +6,12 @@ drafted since the last reset) falls below ``min_acceptance``, or the running bat
 ``max_running_batch``; then "fallback" for ``cooldown_s`` seconds, after which the gate probes
 ("on") again with a fresh window. The engine calls ``decide`` once per step and ``observe`` after
 each speculative step; ``set_policy`` may come from another thread (Serve's reconfigure, the admin API).
+
+With ``auto.min_speedup`` > 0 the gate also judges time: the engine reports every step's wall time
+and emitted tokens (``observe_time``); speculative steps feed a rolling seconds-per-token figure, plain
+steps (in fallback) another, both per batch-size bucket. Once the acceptance window is full, no plain
+figure for the current bucket -> "fallback" ("baseline", to measure one); plain / speculative below
+min_speedup -> "fallback" ("slow").
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Literal
 from policies.policy import SpeculationPolicy
 
 Status = Literal["on", "off", "fallback"]
-Reason = Literal["policy", "probe", "low_acceptance", "large_batch"]
+Reason = Literal["policy", "probe", "low_acceptance", "large_batch", "baseline", "slow"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,27 @@ class RollingAcceptance:
         return min(1.0, max(0.0, self._accepted / self._drafted))
 
 
+class SecondsPerToken:
+    """Wall seconds per emitted token over the last ``steps`` steps (None before any)."""
+
+    def __init__(self, steps: int = 32) -> None:
+        self._steps: deque[tuple[float, int]] = deque(maxlen=steps)
+
+    def add(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            self._steps.append((seconds, tokens))
+
+    @property
+    def value(self) -> float | None:
+        tokens = sum(t for _, t in self._steps)
+        return sum(s for s, _ in self._steps) / tokens if tokens else None
+
+
+def _bucket(batch: int) -> int:
+    """1, 2, 4, 8, ...: steps of similar batch sizes are compared with each other."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
 class SpeculationGate:
     """One specialist's speculation switch: policy + rolling acceptance + fallback timer, under a lock."""
 
@@ -91,6 +118,8 @@ class SpeculationGate:
         self._fallbacks = 0
         self._drafted_total = 0
         self._accepted_total = 0
+        self._spec_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> speculative seconds per token
+        self._plain_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> plain seconds per token
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -137,6 +166,38 @@ class SpeculationGate:
             if rate is not None and rate < self._policy.auto.min_acceptance:
                 self._fall_back("low_acceptance")
 
+    def observe_time(self, status: Status, batch: int, seconds: float, tokens: int) -> None:
+        """One engine step's wall time and emitted tokens, with the status it was decided under."""
+        if seconds < 0 or tokens < 0:
+            raise GateInputError(f"need seconds >= 0 and tokens >= 0, got {seconds}, {tokens}")
+        with self._lock:
+            b = _bucket(batch)
+            if status == "on":
+                self._spec_spt.setdefault(b, SecondsPerToken()).add(seconds, tokens)
+            else:
+                self._plain_spt.setdefault(b, SecondsPerToken()).add(seconds, tokens)
+            gating = self._policy.auto
+            if self._policy.mode != "auto" or gating.min_speedup <= 0 or status != "on" or self._status != "on":
+                return
+            if not self._window.full:
+                return
+            plain = self._plain_spt.get(b)
+            if plain is None or plain.value is None:
+                self._fall_back("baseline")
+                return
+            spec = self._spec_spt[b].value
+            if spec and plain.value / spec < gating.min_speedup:
+                self._fall_back("slow")
+
+    def speedup(self, batch: int = 1) -> float | None:
+        """Plain over speculative seconds per token at this batch size's bucket (None until both)."""
+        with self._lock:
+            b = _bucket(batch)
+            plain, spec = self._plain_spt.get(b), self._spec_spt.get(b)
+            if plain is None or spec is None or not plain.value or not spec.value:
+                return None
+            return plain.value / spec.value
+
     @property
     def status(self) -> Status:
         with self._lock:
@@ -168,6 +229,9 @@ class SpeculationGate:
                 "accepted_total": self._accepted_total,
                 "num_speculative_tokens": p.num_speculative_tokens,
                 "acceptance": p.acceptance,
+                "measured_speedup": {b: round(self._plain_spt[b].value / self._spec_spt[b].value, 3)
+                                     for b in self._spec_spt if b in self._plain_spt
+                                     and self._plain_spt[b].value and self._spec_spt[b].value},
             }
 
     def _fall_back(self, reason: Reason) -> None:  # under the lock

@@ -36,6 +36,10 @@ class AutoGating(_Frozen):
     window: int = Field(64, ge=1, le=1_000_000)  # drafted tokens in the rolling window (judged when full)
     max_running_batch: int = Field(8, ge=1)  # running sequences above this -> fallback
     cooldown_s: float = Field(10.0, ge=0.0)  # seconds in fallback before probing again
+    # > 0: also fall back when speculating emits tokens less than min_speedup times as fast as plain
+    # decoding did (seconds per emitted token, per batch-size bucket; the plain figure is measured in
+    # fallback, and a first fallback ("baseline") is taken to measure it). 0: judge acceptance only.
+    min_speedup: float = Field(0.0, ge=0.0, le=10.0)
 
 
 class SpeculationPolicy(_Frozen):

@@ -235,6 +235,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step: gate, schedule, draft, verify, accept, cut at triggers, commit, emit."""
         sched = self.scheduler
+        t_step = time.perf_counter()
         status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
         policy = self.gate.policy
         k = policy.num_speculative_tokens if status == "on" else 0
@@ -283,6 +284,8 @@ class Engine:
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
         if drafted:
             self.gate.observe(drafted, accepted)
+        if status != "off" and step.decodes and not step.prefills:  # decode-only steps: time per emitted token
+            self.gate.observe_time(status, len(rows), time.perf_counter() - t_step, sum(kept))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         if self.cfg.check_invariants:
             for seq in sched.running:

@@ -311,3 +311,31 @@ def test_bucket_padding_changes_nothing(domain: str, engines) -> None:
                 assert eng.ssm.scratch_slot not in eng.ssm._owned
     for key, got in outs.items():
         assert got == outs[False, "off"], f"{key}: differs from the unpadded, non-speculative run"
+
+
+def test_time_gate_falls_back_where_speculation_cannot_pay(engines) -> None:
+    """auto.min_speedup on a real engine: an unreachable target (9x) ends in fallback for being slow,
+    after a baseline measurement; a modest one (0.2x) keeps speculating. Outputs stay exact either way."""
+    from policies.policy import AutoGating, SpeculationPolicy
+
+    outs = {}
+    for target in (9.0, 0.2):
+        policy = SpeculationPolicy(mode="auto", num_speculative_tokens=3,
+                                   auto=AutoGating(window=12, cooldown_s=0.02, min_acceptance=0.0, min_speedup=target))
+        eng = engines.get("build", fresh=True, policy=policy, draft_min_confidence=0.0)
+        prompt = prompt_ids("build", eng.tokenizer, 1, 64, skip=1)
+        reasons = []
+        rid = eng.add_request(prompt[0], greedy(96))
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    outs[target] = o.token_ids
+            reasons.append(eng.gate.snapshot()["reason"])
+        assert "baseline" in reasons, reasons
+        assert ("slow" in reasons) == (target > 1), reasons  # 9x never happens; 0.2x always does
+        if target < 1:
+            assert reasons[-1] == "probe", reasons  # back on after the baseline, and it stays on
+        assert eng.gate.speedup(1) is not None
+        del rid
+    plain = engines.get("build", policy=SpeculationPolicy(mode="off")).generate([prompt[0]], greedy(96))[0].token_ids
+    assert outs[9.0] == outs[0.2] == plain

@@ -296,3 +296,63 @@ def test_set_policy_from_another_thread_while_stepping() -> None:
     worker.join(timeout=10)
     assert not worker.is_alive()
     assert seen <= {"on", "off"} and gate.decide(1) == "off"
+
+
+# ---- the time judgement (auto.min_speedup) --------------------------------------------------------------
+
+
+def timed_steps(gate: SpeculationGate, steps: int, spec_s: float, plain_s: float, tokens_on: int = 3,
+                batch: int = 1) -> list[str]:
+    """Engine-like loop with a cost model: a speculative step takes spec_s and emits tokens_on tokens
+    (all 3 drafts kept), a plain step takes plain_s and emits one."""
+    seen = []
+    for _ in range(steps):
+        status = gate.decide(batch)
+        seen.append(status)
+        if status == "on":
+            gate.observe(3, tokens_on - 1)
+            gate.observe_time("on", batch, spec_s, tokens_on)
+        else:
+            gate.observe_time(status, batch, plain_s, 1)
+    return seen
+
+
+def test_time_gate_is_off_by_default_and_measures_a_baseline_first() -> None:
+    clock = Clock()
+    default = SpeculationGate(auto_policy(min_acceptance=0.1, window=6), clock)
+    assert timed_steps(default, 20, spec_s=1.0, plain_s=0.1) == ["on"] * 20  # acceptance only: stays on
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0), clock)
+    # high acceptance, no plain figure yet: once the window is full, fall back to measure one
+    assert timed_steps(gate, 3, spec_s=0.25, plain_s=0.1) == ["on", "on", "fallback"]
+    assert gate.snapshot()["reason"] == "baseline"
+
+
+@pytest.mark.parametrize("spec_s,expect", [(0.25, "on"), (0.5, "fallback")])
+def test_time_gate_falls_back_only_where_speculation_loses(spec_s: float, expect: str) -> None:
+    """plain: 0.1 s per token; speculative: 3 tokens per step, so 0.25 s a step wins (1.2x) and 0.5 s loses (0.6x)."""
+    clock = Clock()
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, cooldown_s=10.0), clock)
+    timed_steps(gate, 3, spec_s=spec_s, plain_s=0.1)  # -> baseline fallback
+    timed_steps(gate, 5, spec_s=spec_s, plain_s=0.1)  # plain steps measured during the cooldown
+    clock.now += 10
+    seen = timed_steps(gate, 6, spec_s=spec_s, plain_s=0.1)
+    assert seen[0] == "on" and gate.status == expect
+    assert gate.speedup(1) == pytest.approx(0.1 / (spec_s / 3))
+    if expect == "fallback":
+        assert gate.snapshot()["reason"] == "slow"
+    assert gate.snapshot()["measured_speedup"] == {1: round(0.1 / (spec_s / 3), 3)}
+
+
+def test_time_gate_compares_like_batch_sizes() -> None:
+    """A plain figure measured at batch 1 says nothing about batch 8: a new bucket needs its own baseline."""
+    clock = Clock()
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16), clock)
+    timed_steps(gate, 3, spec_s=0.25, plain_s=0.1)
+    timed_steps(gate, 5, spec_s=0.25, plain_s=0.1)
+    clock.now += 10
+    timed_steps(gate, 6, spec_s=0.25, plain_s=0.1)
+    assert gate.status == "on"
+    assert timed_steps(gate, 3, spec_s=0.25, plain_s=0.1, batch=8)[-1] == "fallback"
+    assert gate.snapshot()["reason"] == "baseline"
+    with pytest.raises(GateInputError):
+        gate.observe_time("on", 1, -1.0, 1)
