@@ -185,18 +185,20 @@ class SpeculationGate:
             if plain is None or plain.value is None:
                 self._fall_back("baseline")
                 return
-            spec = self._spec_spt[b].value
-            if spec and plain.value / spec < gating.min_speedup:
+            speedup = self._speedup(b)
+            if speedup is not None and speedup < gating.min_speedup:
                 self._fall_back("slow")
 
     def speedup(self, batch: int = 1) -> float | None:
         """Plain over speculative seconds per token at this batch size's bucket (None until both)."""
         with self._lock:
-            b = _bucket(batch)
-            plain, spec = self._plain_spt.get(b), self._spec_spt.get(b)
-            if plain is None or spec is None or not plain.value or not spec.value:
-                return None
-            return plain.value / spec.value
+            return self._speedup(_bucket(batch))
+
+    def _speedup(self, b: int) -> float | None:  # under the lock
+        plain, spec = self._plain_spt.get(b), self._spec_spt.get(b)
+        if plain is None or spec is None or not plain.value or not spec.value:
+            return None
+        return plain.value / spec.value
 
     @property
     def status(self) -> Status:
@@ -229,9 +231,7 @@ class SpeculationGate:
                 "accepted_total": self._accepted_total,
                 "num_speculative_tokens": p.num_speculative_tokens,
                 "acceptance": p.acceptance,
-                "measured_speedup": {b: round(self._plain_spt[b].value / self._spec_spt[b].value, 3)
-                                     for b in self._spec_spt if b in self._plain_spt
-                                     and self._plain_spt[b].value and self._spec_spt[b].value},
+                "measured_speedup": {b: round(v, 3) for b in self._spec_spt if (v := self._speedup(b)) is not None},
             }
 
     def _fall_back(self, reason: Reason) -> None:  # under the lock

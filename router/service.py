@@ -39,7 +39,8 @@ from router.api import (
 )
 from router.backends import SpecialistBackend
 from router.routing import AUTO, RouteDecision, Router, UnknownModelError
-from router.tools import ToolCallStreamer, ToolPlan, extract_tool_calls, plan_tools, to_template_messages
+from router.tool_stream import ToolCallStreamer
+from router.tools import ToolPlan, extract_tool_calls, plan_tools, to_template_messages
 from specialists.chat import render
 from specialists.deployment import GenerateEvent, GenerateRequest
 from specialists.telemetry import TRACER_NAME, inject_context

@@ -6,8 +6,8 @@ Layout:
   `Admitted` / `Snapshot` / `Failed` items come back on an asyncio.Queue).
 * `GenerateRequest` / `GenerateEvent`: what the router sends and what comes back, as dicts;
   `TextDeltas` turns cumulative snapshots into stream-safe text deltas.
-* Metrics: the `SpecialistMetrics` interface is in `specialists.metrics`; `ServeMetrics` (here, since
-  only this module may import Ray) reports them through ray.serve.metrics inside a replica.
+* Metrics: the `SpecialistMetrics` interface is in `specialists.metrics`; `specialists.serve_metrics`
+  (imported only from here: the engine side never imports Ray) reports them through ray.serve.metrics.
 * `Specialist`: plain Python (usable without Ray); `specialist_deployment()` wraps it with
   `serve.deployment`. Warm-up runs in the engine thread right after the model loads; until it is
   done `ready()` is False and `generate` answers with a 503 event. `reconfigure(user_config)` (Serve,
@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -35,8 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from policies.policy import SpeculationPolicy
 from specialists.engine_loop import EngineLoop, Failed, Snapshot, warm_up_engine
-from specialists.metrics import SPECULATION_STATUSES, NullMetrics, SpecialistMetrics
+from specialists.metrics import SpecialistMetrics
 from specialists.sampling import SamplingParams
+from specialists.serve_metrics import serve_metrics_or_null
 from specialists.telemetry import (
     TRACER_NAME,
     GenerationTimeline,
@@ -125,72 +125,6 @@ def _suffix_prefix(text: str, marker: str) -> int:
     return 0
 
 
-# ---- metrics -------------------------------------------------------------------------------------
-
-
-_LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-
-
-class ServeMetrics:
-    """Per-specialist metrics through ray.serve.metrics (exported with Ray's metrics)."""
-
-    def __init__(self, specialist: str) -> None:
-        from ray.serve import metrics
-
-        self.tags = {"specialist": specialist}
-        keys = ("specialist",)
-        self.ttft = metrics.Histogram("cantata_ttft_s", "Time to first token (s).", _LATENCY_BOUNDARIES, keys)
-        self.itl = metrics.Histogram("cantata_inter_token_latency_s", "Time between tokens (s).",
-                                     _LATENCY_BOUNDARIES, keys)
-        self.tokens = metrics.Counter("cantata_generated_tokens", "Tokens generated.", keys)
-        self.requests = metrics.Counter("cantata_requests", "Finished generations.", ("specialist", "speculation"))
-        self.tokens_per_s = metrics.Gauge("cantata_tokens_per_s", "Decode tokens/s of the last request.", keys)
-        self.acceptance = metrics.Gauge("cantata_acceptance_rate", "Accepted/drafted of the last request.", keys)
-        self.mean_accepted = metrics.Gauge("cantata_mean_accepted_length",
-                                           "Tokens per speculative step of the last request.", keys)
-        self.drafted = metrics.Counter("cantata_drafted_tokens", "Draft tokens verified.", keys)
-        self.accepted = metrics.Counter("cantata_accepted_tokens", "Draft tokens accepted.", keys)
-        self.status = metrics.Gauge("cantata_speculation_status",
-                                    "1 for the specialist's current speculation status, 0 for the others.",
-                                    ("specialist", "status"))
-
-    def observe(self, ttft_s: float | None, inter_token_s: list[float], completion_tokens: int, decode_s: float,
-                stats: dict[str, Any], speculation: str) -> None:
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s, self.tags)
-        for gap in inter_token_s:
-            self.itl.observe(gap, self.tags)
-        if completion_tokens:
-            self.tokens.inc(completion_tokens, self.tags)
-        if decode_s > 0 and completion_tokens > 1:
-            self.tokens_per_s.set((completion_tokens - 1) / decode_s, self.tags)
-        self.requests.inc(1, {**self.tags, "speculation": speculation})
-        drafted, accepted = int(stats.get("drafted") or 0), int(stats.get("accepted") or 0)
-        if drafted:
-            self.drafted.inc(drafted, self.tags)
-            self.acceptance.set(accepted / drafted, self.tags)
-            self.mean_accepted.set(float(stats.get("mean_accepted_length") or 1.0), self.tags)
-        if accepted:
-            self.accepted.inc(accepted, self.tags)
-
-    def set_status(self, status: str) -> None:
-        for s in SPECULATION_STATUSES:
-            self.status.set(1.0 if s == status else 0.0, {**self.tags, "status": s})
-
-
-def _serve_metrics_or_null(name: str) -> SpecialistMetrics:
-    """Ray Serve metrics inside a replica; no-op metrics elsewhere (tests, scripts)."""
-    if "ray.serve" not in sys.modules:  # a replica has imported Serve long before it builds us
-        return NullMetrics()
-    try:
-        from ray import serve
-
-        serve.get_replica_context()
-    except Exception:  # noqa: BLE001 - not in a Serve replica (or Ray not installed)
-        return NullMetrics()
-    return ServeMetrics(name)
-
-
 # ---- the specialist ------------------------------------------------------------------------------
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -230,7 +164,7 @@ class Specialist:
             torch.set_num_threads(self.options.num_threads)
         self._provider = tracer_provider or tracer_provider_from_env(f"specialist:{self.name}")
         self._tracer = self._provider.get_tracer(TRACER_NAME)
-        self._metrics = metrics or _serve_metrics_or_null(self.name)
+        self._metrics = metrics or serve_metrics_or_null(self.name)
         t0 = time.perf_counter()
         self.engine = Engine.from_pretrained(self.options.model_dir, device=self.options.device,
                                              dtype=_DTYPES[self.options.dtype], max_num_seqs=self.options.max_num_seqs,

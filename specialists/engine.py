@@ -94,7 +94,7 @@ class Engine:
         conf = cfg.draft_min_confidence
         if conf is None:
             conf = 0.3 if torch.device(device).type == "cpu" else 0.0
-        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks + 1, cfg.block_size, draft_vocab, conf)
+        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf)
                         if drafter is not None else None)
         if policy is None:
             policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")

@@ -1,6 +1,6 @@
 """What a specialist reports per generation: the `SpecialistMetrics` interface and its no-op
 implementation for tests and scripts. The Ray Serve implementation (`ServeMetrics`) lives in
-`specialists.deployment`, the only specialists module that may import Ray."""
+`specialists.serve_metrics`, imported only by `specialists.deployment`."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ class Runner:
         tab = inp.segment(9, Bp * width).reshape(Bp, width)
         tab[:] = 0
         qsl[0] = 0
-        t = 0
+        t = n_logits = 0
         for b, ((sid, toks, pre, slot), start, table, q) in enumerate(zip(rows, starts, tables, qlens)):
             end = start + q
             if len(table) * bs < end:
@@ -133,16 +133,14 @@ class Runner:
             tab[b, :len(table)] = table
             ctx[b] = end
             sslot[b] = slot
-            t += q
-            qsl[b + 1] = t
-        n_logits = 0
-        for (sid, toks, pre, slot), q, b0 in zip(rows, qlens, qsl[:B].tolist()):
-            if pre:
-                lidx[n_logits] = b0 + q - 1
+            if pre:  # a prefill wants its last token's logits, a decode / verify every token's
+                lidx[n_logits] = t + q - 1
                 n_logits += 1
             else:
-                lidx[n_logits:n_logits + q] = np.arange(b0, b0 + q)
+                lidx[n_logits:n_logits + q] = np.arange(t, t + q)
                 n_logits += q
+            t += q
+            qsl[b + 1] = t
         if pad:  # padding rows: q_pad tokens each at positions 0.., in the scratch block and slot
             scratch_slot = self.ssm.scratch_slot if self.ssm is not None else -1
             for b in range(B, Bp):
@@ -167,9 +165,8 @@ class Runner:
                 block_tables=seg(9, Bp * width).view(Bp, width)[:nb], slot_mapping=seg(2, nt),
                 ssm_slots=seg(7, nb), logits_indices=seg(5, nl), query_lens=(qlens + [q_pad] * (nb - B)),
                 is_prefill=[r[2] for r in rows] + [False] * (nb - B), token_seq=seg(3, nt), token_qidx=seg(4, nt),
-                max_query_len=max(qlens), max_context_len=int(max(ctx[:nb])),
-                ssm_slot_list=[r[3] for r in rows] + [int(sslot[B])] * (nb - B) if nb > B else [r[3] for r in rows],
-                context_len_list=ctx[:nb].tolist(), num_pad=nb - B,
+                max_query_len=max(qlens), max_context_len=int(ctx[:nb].max()), ssm_slot_list=sslot[:nb].tolist(),
+                num_pad=nb - B,
             )
 
         real = batch(B, T, n_logits)

@@ -18,8 +18,8 @@ from router.backends import LocalBackend, local_specialists
 from router.http import build_http_app
 from router.routing import Router
 from router.service import ChatService
+from router.tool_stream import ToolCallStreamer
 from router.tools import (
-    ToolCallStreamer,
     extract_tool_calls,
     plan_tools,
     prompt_tools,

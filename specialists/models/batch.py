@@ -53,7 +53,6 @@ class ForwardBatch:
     max_query_len: int  # max q_b
     max_context_len: int  # max context_lens
     ssm_slot_list: list[int] = field(default_factory=list)  # [B] host copy of ssm_slots (empty: not given)
-    context_len_list: list[int] = field(default_factory=list)  # [B] host copy of context_lens (empty: not given)
     num_pad: int = 0  # the last num_pad rows are padding (a bucketed batch): computed, never committed
 
     @property
@@ -123,7 +122,6 @@ class ForwardBatch:
             max_query_len=max(len(s.token_ids) for s in steps),
             max_context_len=max(ctx),
             ssm_slot_list=[s.ssm_slot for s in steps],
-            context_len_list=ctx,
         )
 
     @classmethod

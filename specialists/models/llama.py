@@ -190,13 +190,14 @@ class DecoderBase:
         self.embed = sd["model.embed_tokens.weight"]  # [V, d]
         self.lm_head = lm_head_of(sd, config)  # [V, d]
         self.norm = sd[final_norm_key]  # [d]
+        self._lm_head_t: torch.Tensor | None = None  # [d, V] for one-row logits on CPU
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
         if hidden.shape[0] == 1 and hidden.device.type == "cpu":
             # one row on CPU: x @ W^T from a transposed copy is a faster gemv (~0.7x the time at V=4096)
-            if self.__dict__.get("_lm_head_t") is None:
-                self._lm_head_t = self.lm_head.t().contiguous()  # [d, V]
+            if self._lm_head_t is None:
+                self._lm_head_t = self.lm_head.t().contiguous()  # [d, V], made on first use
             return hidden @ self._lm_head_t
         return F.linear(hidden, self.lm_head)
 

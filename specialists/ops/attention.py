@@ -4,8 +4,8 @@ with grouped-query heads.
 
 The torch reference gathers each sequence's context through its block table into a padded
 [B, max_ctx] layout and runs one masked SDPA call for the whole batch: no Python loop over
-sequences or tokens. Context slots past a sequence's length (the rest of its last block, the
-table padding) are zeroed after the gather, so whatever the pool holds there (stale tails, other
+tokens. Context slots past a sequence's length (the rest of its last block, the table padding) are
+zeroed after the gather (on CPU row by row, on CUDA by one mask), so whatever the pool holds there (stale tails, other
 sequences' blocks, NaN) never reaches a result. Backends are picked per device at call time:
 `_BACKENDS` is the place for a Triton / flash-attn paged kernel on CUDA; today CUDA uses the torch
 path too.
@@ -49,21 +49,20 @@ def paged_attention_torch(
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
-    flat, valid, mask = _metadata(batch, bs, q.device)
+    flat, invalid, mask = _metadata(batch, bs, q.device)
 
     # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
     v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
     if B > 1:  # one sequence: every gathered slot up to max_ctx is its own context
-        lens = batch.context_len_list
-        if lens and k.device.type == "cpu":  # zero just each row's tail (the gathered copies are ours)
-            for b, n in enumerate(lens):
+        if k.device.type == "cpu":  # zero just each row's tail (~6% faster at batch 8; lengths cost no sync here)
+            for b, n in enumerate(batch.context_lens.tolist()):
                 if n < max_ctx:
                     k[b, n:] = 0
                     v[b, n:] = 0
-        else:
-            zero = torch.zeros((), dtype=k.dtype, device=k.device)
-            k, v = torch.where(valid, k, zero), torch.where(valid, v, zero)
+        else:  # in place: the gathered copies are ours
+            k.masked_fill_(invalid, 0)
+            v.masked_fill_(invalid, 0)
     k, v = k.to(q.dtype), v.to(q.dtype)
 
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
@@ -114,8 +113,8 @@ def _gather(pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
 
 def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What every attention layer of a step (and the drafter's rebuild) shares, built once per batch:
-    the flat block ids to gather [B * nblk], the valid-context mask [B, max_ctx, 1, 1] and the
-    causal mask [B, 1, max_q, max_ctx]."""
+    the flat block ids to gather [B * nblk], the mask of slots past each context [B, max_ctx, 1, 1]
+    and the causal mask [B, 1, max_q, max_ctx]."""
     key = (bs, device)
     cache = batch.__dict__.setdefault("_attn_meta", {})
     if key in cache:
@@ -128,14 +127,14 @@ def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch
     flat = table.reshape(-1).to(device)  # index_select: about 2x faster than advanced indexing on CPU
     j = torch.arange(max_ctx, device=device)
     ctx = batch.context_lens.to(device).long()  # [B]
-    valid = (j[None, :] < ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
+    invalid = (j[None, :] >= ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
     if max_q == 1:
         qpos = batch.positions.to(device)[:, None]  # [B, 1]
     else:
         qpos = torch.zeros(B, max_q, dtype=torch.long, device=device)
         qpos[batch.token_seq, batch.token_qidx] = batch.positions
     mask = (j[None, None, :] <= qpos[..., None])[:, None]  # [B, 1, max_q, max_ctx], causal within the context
-    cache[key] = (flat, valid, mask)
+    cache[key] = (flat, invalid, mask)
     return cache[key]
 
 
