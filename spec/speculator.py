@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from spec.acceptance import AcceptanceResult, TypicalParams, accept
+from spec.acceptance import TypicalParams, accept
 
 
 @dataclass
@@ -93,45 +93,68 @@ class Speculator:
                 idx.extend(range(r.t0 + 1, r.t0 + 1 + r.k))
                 src.extend(range(i * kmax, i * kmax + r.k))
             if idx:
-                fill = (torch.tensor(idx, dtype=torch.int64, device=dev), drafts.reshape(-1)[torch.tensor(src, device=dev)])
+                full = len(src) == drafts.numel()  # every draft is verified: no selection needed
+                fill = (torch.tensor(idx, dtype=torch.int64, device=dev),
+                        drafts.reshape(-1) if full else drafts.reshape(-1)[torch.tensor(src, device=dev)])
         t_verify = time.perf_counter()
 
         res = self.runner.run([(r.seq.seq_id, r.tokens, r.prefill, r.seq.ssm_slot) for r in rows], fill)
         B = len(rows)
         params = [r.seq.params for r in rows]
-        if kmax == 0 and all(p.greedy for p in params):  # plain greedy decode: no acceptance to do
-            first = res.logits.argmax(-1)  # [B] one logits row per sequence
-            result = AcceptanceResult(torch.zeros(B, dtype=torch.int64, device=dev), first[:, None])
-            draft_tokens = None
-        else:
-            # target logits padded to [B, kmax+1, V]: row j of a row with k < j repeats its last row (ignored)
+        # logits rows per batch row: 1 for a prefill, 1 + k for a decode; padded to kmax + 1 below
+        counts = [1 if r.prefill else 1 + r.k for r in rows]
+        uniform = all(m == kmax + 1 for m in counts)  # the usual case: rows of one shape, no padding needed
+        lidx = None
+        if not uniform:  # row j of a row with fewer logits rows repeats its last one (ignored)
             lidx, n = [], 0
-            for r in rows:
-                m = 1 if r.prefill else 1 + r.k
+            for m in counts:
                 lidx.append([n + min(j, m - 1) for j in range(kmax + 1)])
                 n += m
-            target = res.logits[torch.tensor(lidx, device=dev)]  # [B, kmax+1, V]
-            draft_tokens = torch.zeros(B, max(kmax, 1), dtype=torch.int64, device=dev)
-            if drafts is not None:
+            lidx = torch.tensor(lidx, device=dev)
+        draft_tokens = None
+        if drafts is not None:
+            if len(spec_rows) == B:  # every row speculates: the drafts are already in row order
+                draft_tokens = drafts
+            else:
+                draft_tokens = torch.zeros(B, kmax, dtype=torch.int64, device=dev)
                 spec_pos = torch.tensor([i for i, r in enumerate(rows) if id(r.seq) in spec_set and not r.prefill], device=dev)
-                draft_tokens[spec_pos, :kmax] = drafts
+                draft_tokens[spec_pos] = drafts
+
+        greedy = all(p.greedy for p in params)
+        if greedy:
+            # the target's argmax after each position; kept drafts equal it, so a row's run is its
+            # first a+1 entries, a = the leading drafts that match (counted on the host after the sync)
+            best = res.logits.argmax(-1)  # [rows of logits]
+            tokens = best.view(B, kmax + 1) if lidx is None else best[lidx]  # [B, kmax+1]
+            packed = tokens
+        else:
+            target = res.logits.view(B, kmax + 1, -1) if lidx is None else res.logits[lidx]  # [B, kmax+1, V]
             num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)
-            result = accept(target, draft_tokens[:, :kmax], num_drafts, params, [method] * B,
-                            [r.seq.generator for r in rows], typical=typical)
+            no_drafts = torch.zeros(B, kmax, dtype=torch.int64, device=dev)
+            result = accept(target, no_drafts if draft_tokens is None else draft_tokens, num_drafts, params,
+                            [method] * B, [r.seq.generator for r in rows], typical=typical)
+            tokens = result.tokens
+            packed = torch.cat([result.num_accepted[:, None], tokens], dim=1)
 
         if rebuild and self.drafter is not None:
-            self._rebuild(rows, res, result.tokens, kmax)
-        packed = torch.cat([result.num_accepted[:, None], result.tokens], dim=1)
-        if drafts is not None:
-            packed = torch.cat([packed, draft_tokens[:, :kmax]], dim=1)
+            self._rebuild(rows, res, tokens, kmax)
+        if draft_tokens is not None:
+            packed = torch.cat([packed, draft_tokens], dim=1)
         host = packed.tolist()  # the one host sync of the step
         t_end = time.perf_counter()
 
         runs, dlist = [], []
+        off = 0 if greedy else 1  # greedy rows carry no accepted count
         for r, h in zip(rows, host):
-            a = h[0]
-            runs.append(h[1 : a + 2])
-            dlist.append(h[2 + kmax : 2 + kmax + r.k] if drafts is not None else [])
+            d = h[off + kmax + 1 : off + kmax + 1 + r.k] if draft_tokens is not None else []
+            if greedy:
+                a = 0
+                while a < r.k and d[a] == h[a]:
+                    a += 1
+            else:
+                a = h[0]
+            runs.append(h[off : off + a + 1])
+            dlist.append(d)
         return rows, StepOutput(runs, t_verify - t_draft, t_end - t_verify, dlist)
 
     def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
@@ -157,8 +180,11 @@ class Speculator:
                 src.append(base)  # then the sampled token
             else:
                 src.extend(range(base, base + n))  # kept drafts and the target's token
-        pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
-        next_tokens = pool[torch.tensor(src, dtype=torch.int64, device=self.device)]
+        if src == list(range(T, T + tokens.numel())):  # decodes only, every row at kmax drafts: all of tokens
+            next_tokens = tokens.reshape(-1)
+        else:
+            pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
+            next_tokens = pool[torch.tensor(src, dtype=torch.int64, device=self.device)]
         self._draft_out = self.drafter.rebuild(res.batch, res.hidden, next_tokens)
 
     # ---- host bookkeeping --------------------------------------------------------------------

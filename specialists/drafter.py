@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
 from specialists.ops.attention import paged_attention, workspace, write_kv
+from specialists.ops.linear import proposal_linear
 
 
 class PagedDrafter:
@@ -46,14 +47,10 @@ class PagedDrafter:
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         hd = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=p.device, dtype=torch.float32) / hd))
-        self._cos = self._sin = torch.empty(0, hd, device=p.device)  # [positions, hd] tables, grown on demand
+        self._cs = torch.empty(0, 2, 1, hd, device=p.device)  # [positions, 2, 1, hd] cos / signed sin, grown on demand
         self.scale = hd ** -0.5
         self.vocab = None if vocab is None else vocab.to(p.device)
-        head = lm_head if vocab is None else lm_head[self.vocab]
-        # drafts are proposals (verification decides), so on CPU the head may be bf16: half the bytes
-        # of the step's largest read after the target's own lm_head
-        self.head_dtype = torch.bfloat16 if p.device.type == "cpu" and p.dtype == torch.float32 else p.dtype
-        self.head = head.to(self.head_dtype).contiguous()  # [N, d]
+        self.head = (lm_head if vocab is None else lm_head[self.vocab]).contiguous()  # [N, d]
         # fused weights: one matmul for q, k, v and one for gate, up
         blk = drafter.block
         with torch.no_grad():
@@ -70,42 +67,58 @@ class PagedDrafter:
             emb = F.rms_norm(embed.to(p.dtype), (d,), drafter.embed_norm.weight, self.eps)
             self.token_proj = F.linear(emb, w[:, d:]).contiguous()  # [V, d]
         self.min_confidence = min_confidence
+        # drafts are proposals (verification decides), so on the CPU the products read int8 copies of
+        # the weights (bf16 activations): a quarter of the bytes of the reads that dominate a step
+        # Each RMSNorm's gain (and its sqrt(d)) is folded into the columns of the product that reads
+        # it, so a norm is x / |x| at run time (3 cheap ops for F.rms_norm's ~9 us): the eps term is
+        # dropped, a relative change of ~eps / mean(x^2) (~1e-5) in a proposal
+        fold = lambda w, norm: w.detach() * (norm.weight.detach() * d ** 0.5)[None, :]  # noqa: E731
+        with torch.no_grad():
+            self.mm_qkv, self.mm_o, self.mm_gate_up, self.mm_down, self.mm_hidden, self.mm_head = (
+                proposal_linear(w) for w in (fold(self.w_qkv, blk.attn_norm), blk.o_proj.weight.detach(),
+                                             fold(self.w_gate_up, blk.mlp_norm), blk.down_proj.weight.detach(),
+                                             fold(self.w_hidden, drafter.hidden_norm), fold(self.head, drafter.final_norm)))
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.cfg.num_speculative_tokens
 
-    def _norm(self, x: torch.Tensor, mod) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), mod.weight, self.eps)
+    @staticmethod
+    def _unit(x: torch.Tensor) -> torch.Tensor:  # [T, d] -> rows scaled to unit length (the norm's gain is in the next weight)
+        return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-12)
 
-    def _tables(self, pos: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> cos, sin [T, 1, hd]
-        if max_pos >= self._cos.shape[0]:
+    def _tables(self, pos: torch.Tensor, max_pos: int) -> torch.Tensor:  # -> [T, 2, 1, hd]: cos, signed sin
+        """RoPE tables with the rotate-half sign folded into sin: x*cos + roll(x, hd/2)*[-sin, sin]
+        equals x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in two fewer ops."""
+        if max_pos >= self._cs.shape[0]:
             n = max(2 * max_pos, 1024)
             angles = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
             emb = torch.cat([angles, angles], dim=-1)
-            self._cos, self._sin = emb.cos(), emb.sin()
-        return self._cos[pos][:, None], self._sin[pos][:, None]
+            h = emb.shape[-1] // 2
+            sin = emb.sin()
+            sin[:, :h].neg_()
+            self._cs = torch.stack([emb.cos(), sin], dim=1)[:, :, None].to(self.k.dtype)  # [n, 2, 1, hd]
+        return self._cs[pos]
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, max_pos: int):  # x [T, d], pos [T] rope positions <= max_pos
         cfg = self.cfg
         t = x.shape[0]
-        q, k, v = F.linear(self._norm(x, self.drafter.block.attn_norm), self.w_qkv).split(self.split_qkv, dim=-1)
-        cos, sin = self._tables(pos, max_pos)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        q, k = q.view(t, cfg.num_attention_heads, cfg.head_dim), k.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        h = cfg.head_dim // 2
-        q = q * cos + torch.cat([-q[..., h:], q[..., :h]], dim=-1) * sin
-        k = k * cos + torch.cat([-k[..., h:], k[..., :h]], dim=-1) * sin
-        return q, k, v.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        nq, nk = self.split_qkv[0], self.split_qkv[1]
+        qkv = self.mm_qkv(self._unit(x))
+        qk = qkv[:, : nq + nk].view(t, cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
+        cs = self._tables(pos, max_pos)
+        qk = qk * cs[:, 0] + qk.roll(cfg.head_dim // 2, -1) * cs[:, 1]  # q and k heads rotated at once
+        q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
+        return q, k, qkv[:, nq + nk :].view(t, cfg.num_key_value_heads, cfg.head_dim)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # x [T, d], o [T, H, hd] -> [T, d]
         blk = self.drafter.block
-        x = x + F.linear(o.reshape(x.shape[0], -1), blk.o_proj.weight)
-        gate, up = F.linear(self._norm(x, blk.mlp_norm), self.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, blk.down_proj.weight)
+        x = x + self.mm_o(o.reshape(x.shape[0], -1))
+        gate, up = self.mm_gate_up(self._unit(x)).chunk(2, dim=-1)
+        return x + self.mm_down(F.silu(gate) * up)
 
     def _fuse(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [T, d], [T] -> [T, d]
-        return F.linear(self._norm(prev, self.drafter.hidden_norm), self.w_hidden) + self.token_proj[tokens]
+        return self.mm_hidden(self._unit(prev)) + self.token_proj[tokens]
 
     @torch.inference_mode()
     def rebuild(
@@ -187,7 +200,7 @@ class PagedDrafter:
 
     def _argmax(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, d] -> token ids [B], and their drafter probabilities [B] when min_confidence is set."""
-        logits = F.linear(self._norm(out, self.drafter.final_norm).to(self.head_dtype), self.head)
+        logits = self.mm_head(self._unit(out))
         best = logits.argmax(-1)
         conf = None
         if self.min_confidence > 0:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 from specialists.ops.attention import paged_attention, write_kv
+from specialists.ops.linear import linear
 
 __all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block"]
 
@@ -143,18 +144,18 @@ def attention_block(
     batch: ForwardBatch,
 ) -> torch.Tensor:  # [T, d]
     T = x.shape[0]
-    qk, v = F.linear(x, w.qkv, w.qkv_bias).split([w.split[0] + w.split[1], w.split[2]], dim=-1)
+    qk, v = linear(x, w.qkv, w.qkv_bias).split([w.split[0] + w.split[1], w.split[2]], dim=-1)
     qk = Rope.apply(qk.view(T, w.num_heads + w.num_kv_heads, w.head_dim), cos, sin)  # q and k heads rotated at once
     q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
     v = v.view(T, w.num_kv_heads, w.head_dim)
     write_kv(k, v, k_cache_layer, v_cache_layer, batch.slot_mapping)
     o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
-    return F.linear(o.reshape(T, w.num_heads * w.head_dim), w.o_proj, w.o_bias)
+    return linear(o.reshape(T, w.num_heads * w.head_dim), w.o_proj, w.o_bias)
 
 
 def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T, d]
-    gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.down_proj, w.down_bias)
+    gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w.down_proj, w.down_bias)
 
 
 def head_dim_of(config: Any) -> int:
@@ -190,16 +191,10 @@ class DecoderBase:
         self.embed = sd["model.embed_tokens.weight"]  # [V, d]
         self.lm_head = lm_head_of(sd, config)  # [V, d]
         self.norm = sd[final_norm_key]  # [d]
-        self._lm_head_t: torch.Tensor | None = None  # [d, V] for one-row logits on CPU
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
-        if hidden.shape[0] == 1 and hidden.device.type == "cpu":
-            # one row on CPU: x @ W^T from a transposed copy is a faster gemv (~0.7x the time at V=4096)
-            if self._lm_head_t is None:
-                self._lm_head_t = self.lm_head.t().contiguous()  # [d, V], made on first use
-            return hidden @ self._lm_head_t
-        return F.linear(hidden, self.lm_head)
+        return linear(hidden, self.lm_head)
 
 
 class LlamaModel(DecoderBase):

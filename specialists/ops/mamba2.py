@@ -36,6 +36,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from specialists.ops.linear import linear
+
 __all__ = [
     "Mamba2Params",
     "mamba2_prefill",
@@ -164,28 +166,12 @@ def _tri_masks(T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _in_proj(p: Mamba2Params, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """in_proj, split into (z, xBC, dt). On CPU in fp32 the product accumulates in fp64 and is
-    rounded once: BLAS picks different kernels (and summation orders) for a 6-row verify batch
-    than for a 300-row prefill, which moved the projected xBC -- i.e. the conv state, a copy of
-    it -- by 2-3 fp32 ulps (1.7e-6 on the shipped cpp model). Rounded from fp64, a row's result
-    no longer depends on the batch shape, so a committed conv state equals a fresh prefill's. Only
-    the xBC rows get this (the conv state is their copy); z and dt are plain fp32, which kept the
-    committed SSM states within 1e-6 of a fresh prefill (tests/test_ssm_cache.py)."""
-    if u.device.type == "cpu" and u.dtype == torch.float32:
-        # only xBC (what the conv state copies) needs the fp64 accumulation; z and dt stay fp32
-        cached = p.__dict__.get("_in_proj_split")
-        if cached is None or cached[0].shape[1] != p.in_proj_weight.shape[1]:
-            w, b = p.in_proj_weight, p.in_proj_bias
-            lo, hi = p.d_inner, p.d_inner + p.conv_dim
-            zdt_w = torch.cat([w[:lo], w[hi:]]).contiguous()
-            zdt_b = None if b is None else torch.cat([b[:lo], b[hi:]]).contiguous()
-            cached = (zdt_w, zdt_b, w[lo:hi].double().contiguous(), None if b is None else b[lo:hi].double())
-            p.__dict__["_in_proj_split"] = cached
-        zdt = F.linear(u, cached[0], cached[1])
-        xbc = F.linear(u.double(), cached[2], cached[3]).float()
-        z, dt = zdt.split([p.d_inner, p.num_heads], dim=-1)
-        return z, xbc, dt
-    zxbcdt = F.linear(u, p.in_proj_weight, p.in_proj_bias)
+    """in_proj, split into (z, xBC, dt). On CPU in fp32 this is oneDNN on a packed weight
+    (specialists/ops/linear.py), whose rows do not depend on the batch shape: BLAS picked different
+    kernels (and summation orders) for a 6-row verify batch than for a 300-row prefill, which moved
+    the projected xBC -- i.e. the conv state, a copy of it -- by 2-3 fp32 ulps. Row-invariant, a
+    committed conv state equals a fresh prefill's bit for bit."""
+    zxbcdt = linear(u, p.in_proj_weight, p.in_proj_bias)
     return zxbcdt.split([p.d_inner, p.conv_dim, p.num_heads], dim=-1)
 
 
@@ -233,7 +219,7 @@ def _gated_norm_out(p: Mamba2Params, y: torch.Tensor, z: torch.Tensor, dtype: to
     g = h.view(*lead, p.n_groups, p.d_inner // p.n_groups)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + p.norm_eps)
     h = p.norm_weight * g.view(*lead, p.d_inner).to(dtype)
-    return F.linear(h.to(dtype), p.out_proj_weight, p.out_proj_bias)
+    return linear(h.to(dtype), p.out_proj_weight, p.out_proj_bias)
 
 
 def _zeros_states(p: Mamba2Params, batch: tuple[int, ...], device, dtype):

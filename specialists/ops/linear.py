@@ -1,0 +1,107 @@
+"""`linear(x, w, b)`: F.linear, except fp32 on the CPU, where it runs oneDNN with the weight packed once.
+
+Why: at the row counts decoding produces (1 token, or K+1 for a verify), torch's CPU F.linear goes to
+MKL, whose small-M sgemm repacks the weight on every call; on the AMD EPYC we run on, a 4-row
+[4096 x 256] product took 217 us against 62 us for oneDNN on a pre-packed weight (0.2-0.5x the time
+for every weight shape of the default specialists at 2-8 rows, about even at one row).
+
+And exactness: with the weight in oneDNN's blocked layout (packed for a batch hint >= 2), a row's
+result does not depend on how many rows are in the call, nor on the thread count, bit for bit
+(`tests/test_linear.py` checks it for 1..300 rows). With MKL it does: a 4-row verify and a 1-row
+decode of the same token differed in the last bits. So a verify pass computes exactly what plain
+decoding would, and a conv state committed after a verify equals the one a fresh prefill makes.
+
+`proposal_linear(w)` is for products that only propose (the drafter's): int8 weights, bf16
+activations. In a decode step the weights stream from L3 (a layer's are larger than L2), so bytes
+per weight set a large product's time.
+
+The packed copy is made on first use and cached per (weight tensor, dtype) (by identity, dropped with
+the tensor, and remade if the tensor is changed in place). CANTATA_CPU_LINEAR=torch turns it off
+(plain F.linear everywhere), for A/B measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear", "onednn_enabled", "proposal_linear"]
+
+_HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
+_lock = threading.Lock()
+_packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(w) -> (ref to w, w._version, packed)
+_LINEAR = None  # torch.ops.mkldnn._linear_pointwise.default, looked up once
+
+
+def _available() -> bool:
+    if os.environ.get("CANTATA_CPU_LINEAR", "onednn") == "torch":
+        return False
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ENABLED = _available()
+
+
+def onednn_enabled() -> bool:
+    return _ENABLED
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    key = id(w)
+    hit = _packed.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
+    with _lock:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _HINT)
+        _packed[key] = (weakref.ref(w, lambda _, key=key: _packed.pop(key, None)), w._version, packed)
+    return packed
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w[out, in]^T (+ b) -> [..., out]."""
+    if not (_ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+            and w.dim() == 2 and x.numel() and not torch.is_grad_enabled()):
+        return F.linear(x, w, b)
+    global _LINEAR
+    if _LINEAR is None:
+        _LINEAR = torch.ops.mkldnn._linear_pointwise.default
+    if x.dim() == 2:
+        return _LINEAR(x if x.is_contiguous() else x.contiguous(), _pack(w), b, "none", [], "")
+    out = _LINEAR(x.reshape(-1, x.shape[-1]).contiguous(), _pack(w), b, "none", [], "")
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+class _Int8Linear:
+    """Weight-only int8 (symmetric, one scale per output row), bf16 activations: a quarter of the
+    fp32 weight bytes, through torch's vectorized CPU kernel (`_weight_int8pack_mm`). On the CPU an
+    [896 x 256] product whose weight misses L2 took 12 us at one row, against 38 us for oneDNN fp32
+    and 105 us for F.linear."""
+
+    __slots__ = ("w", "scale", "out_features")
+
+    def __init__(self, w: torch.Tensor) -> None:
+        w = w.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16)
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale).float()
+
+
+def proposal_linear(w: torch.Tensor):
+    """A callable x [T, in] -> [T, out] for weights whose products only propose (the drafter's:
+    verification decides what is kept, so rounding changes no emitted token). On the CPU in fp32:
+    int8 weights with bf16 activations; elsewhere the exact `linear`."""
+    if (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and _ENABLED
+            and hasattr(torch, "_weight_int8pack_mm")):
+        return _Int8Linear(w)
+    return lambda x: linear(x, w)
