@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="draft over the first N tokens of the drafter's vocabulary file (0: all tokens)")
     parser.add_argument("--draft-min-confidence", type=float, default=None,
-                        help="stop a draft chain below this drafter probability (default: the engine's, 0.3 on CPU)")
+                        help="stop a draft chain below this drafter probability (default: the engine's, off)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

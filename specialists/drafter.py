@@ -114,7 +114,7 @@ class PagedDrafter:
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # x [T, d], o [T, H, hd] -> [T, d]
         blk = self.drafter.block
         x = x + self.mm_o(o.reshape(x.shape[0], -1))
-        gate, up = self.mm_gate_up(self._unit(x)).chunk(2, dim=-1)
+        gate, up = self.mm_gate_up(self._unit(x), low=True).chunk(2, dim=-1)  # may stay bf16 into mm_down
         return x + self.mm_down(F.silu(gate) * up)
 
     def _fuse(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [T, d], [T] -> [T, d]
@@ -168,7 +168,8 @@ class PagedDrafter:
             dst[:, :cmax] = torch.index_select(pool, 0, tab, out=gathered).view(b, nblk * bs, hkv, hd)[:, :cmax]
         c = torch.tensor(committed, dtype=torch.int64, device=dev)
         span = torch.arange(cmax + k - 1, device=dev)[None, :]
-        mask = ((span < c[:, None]) | (span >= cmax))[:, None, None, :]  # [B, 1, 1, S]: context + tail
+        # [B, 1, 1, S]: context + tail; one sequence sees every slot up to n, so it needs none
+        mask = ((span < c[:, None]) | (span >= cmax))[:, None, None, :] if b > 1 else None
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         for depth in range(2, k + 1):
             x = self._fuse(prev, drafts[-1])  # [B, d]
@@ -179,7 +180,7 @@ class PagedDrafter:
             o = F.scaled_dot_product_attention(
                 q[:, :, None, :],  # [B, H, 1, hd]
                 keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
-                attn_mask=mask[..., :n], scale=self.scale, enable_gqa=groups > 1,
+                attn_mask=None if mask is None else mask[..., :n], scale=self.scale, enable_gqa=groups > 1,
             )  # [B, H, 1, hd]
             prev = self._finish(x, o[:, :, 0, :])
             token, conf = self._argmax(prev)

@@ -68,6 +68,8 @@ def paged_attention_torch(
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
     if max_q == 1:  # decode: one token per sequence, in sequence order
         qp = q[:, None]
+    elif B == 1:  # one sequence (a verify, a prefill): its tokens in order
+        qp = q[None]
     else:
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
@@ -82,6 +84,8 @@ def paged_attention_torch(
     )  # [B, H_q, max_q, D]
     if max_q == 1:
         return out[:, :, 0]  # [T = B, H_q, D]
+    if B == 1:
+        return out[0].transpose(0, 1)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
 
 

@@ -93,15 +93,17 @@ class _Int8Linear:
         self.scale = scale.to(torch.bfloat16)
         self.out_features = w.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
-        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale).float()
+    def __call__(self, x: torch.Tensor, low: bool = False) -> torch.Tensor:  # [T, in] -> [T, out] fp32 (bf16 if low)
+        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale)
+        return out if low else out.float()
 
 
 def proposal_linear(w: torch.Tensor):
-    """A callable x [T, in] -> [T, out] for weights whose products only propose (the drafter's:
-    verification decides what is kept, so rounding changes no emitted token). On the CPU in fp32:
-    int8 weights with bf16 activations; elsewhere the exact `linear`."""
+    """A callable (x [T, in], low=False) -> [T, out] for weights whose products only propose (the
+    drafter's: verification decides what is kept, so rounding changes no emitted token). On the CPU
+    in fp32: int8 weights with bf16 activations (low=True returns the bf16 product, for a caller
+    that feeds it straight into the next one); elsewhere the exact `linear`."""
     if (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and _ENABLED
             and hasattr(torch, "_weight_int8pack_mm")):
         return _Int8Linear(w)
-    return lambda x: linear(x, w)
+    return lambda x, low=False: linear(x, w)
