@@ -69,10 +69,13 @@ class PagedDrafter:
         self.min_confidence = min_confidence
         # drafts are proposals (verification decides), so on the CPU the products read int8 copies of
         # the weights (bf16 activations): a quarter of the bytes of the reads that dominate a step
-        # Each RMSNorm's gain (and its sqrt(d)) is folded into the columns of the product that reads
-        # it, so a norm is x / |x| at run time (3 cheap ops for F.rms_norm's ~9 us): the eps term is
-        # dropped, a relative change of ~eps / mean(x^2) (~1e-5) in a proposal
-        fold = lambda w, norm: w.detach() * (norm.weight.detach() * d ** 0.5)[None, :]  # noqa: E731
+        # Each RMSNorm's gain is folded into the columns of the product that reads it. On the CPU its
+        # sqrt(d) too, so a norm is x / |x| (3 cheap ops for F.rms_norm's ~9 us; the eps term is
+        # dropped, a relative change of ~eps / mean(x^2), ~1e-5, in a proposal); on a GPU the norm
+        # stays F.rms_norm without a gain (one fused kernel)
+        self._cpu = p.device.type == "cpu"
+        gain = d ** 0.5 if self._cpu else 1.0
+        fold = lambda w, norm: w.detach() * (norm.weight.detach() * gain)[None, :]  # noqa: E731
         with torch.no_grad():
             self.mm_qkv, self.mm_o, self.mm_gate_up, self.mm_down, self.mm_hidden, self.mm_head = (
                 proposal_linear(w) for w in (fold(self.w_qkv, blk.attn_norm), blk.o_proj.weight.detach(),
@@ -83,9 +86,10 @@ class PagedDrafter:
     def num_speculative_tokens(self) -> int:
         return self.cfg.num_speculative_tokens
 
-    @staticmethod
-    def _unit(x: torch.Tensor) -> torch.Tensor:  # [T, d] -> rows scaled to unit length (the norm's gain is in the next weight)
-        return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-12)
+    def _unit(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> RMSNorm without its gain (that is in the next weight)
+        if self._cpu:  # x / |x|: the sqrt(d) is in the weight too
+            return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-12)
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
     def _tables(self, pos: torch.Tensor, max_pos: int) -> torch.Tensor:  # -> [T, 2, 1, hd]: cos, signed sin
         """RoPE tables with the rotate-half sign folded into sin: x*cos + roll(x, hd/2)*[-sin, sin]

@@ -188,36 +188,44 @@ class SSMCache:
     def commit(self, slots, num_accepted) -> None:
         """For every staged layer, write the state after exactly num_accepted[b] tokens into
         slots[b] (0 = leave the slot as it was), then clear the staging. ``slots`` must be the
-        staged slots (any order)."""
-        idx = self._slots(slots)
-        m = torch.as_tensor(num_accepted, dtype=torch.long).reshape(-1).cpu()
-        if m.numel() != idx.numel():
-            raise ValueError(f"{m.numel()} num_accepted for {idx.numel()} slots")
-        if (m < 0).any():
-            raise ValueError(f"negative num_accepted {m.tolist()}")
+        staged slots (any order). Checks run on host lists, and the index tensors are built once
+        for all layers staged in the same slot order (one decode step: all of them)."""
+        ids = self._slots(slots).tolist()
+        m = [int(x) for x in (num_accepted.reshape(-1).tolist() if isinstance(num_accepted, torch.Tensor) else num_accepted)]
+        if len(m) != len(ids):
+            raise ValueError(f"{len(m)} num_accepted for {len(ids)} slots")
+        if any(x < 0 for x in m):
+            raise ValueError(f"negative num_accepted {m}")
         # Validate everything before writing anything: a failed commit changes no slot.
+        keep = [i for i, x in enumerate(m) if x > 0]  # m == 0: untouched, never position -1
         plans = []
         for layer, (sidx, convs, ssms) in self._staged.items():
-            if sorted(sidx.tolist()) != sorted(idx.tolist()):
-                raise ValueError(f"layer {layer} staged slots {sidx.tolist()}, commit got {idx.tolist()}")
-            q = convs.shape[1]
-            if (m > q).any():
-                raise ValueError(f"num_accepted {m.tolist()} exceeds q={q}")
-            row_of = {s: r for r, s in enumerate(sidx.tolist())}
-            rows = torch.tensor([row_of[s] for s in idx.tolist()], dtype=torch.long)
-            keep = m > 0  # m == 0: untouched, never position -1
-            plans.append((layer, rows[keep], idx[keep], m[keep] - 1, convs, ssms))
-        for layer, rows, dst, pos, convs, ssms in plans:
-            if dst.numel() == 0:
+            staged = sidx.tolist()
+            if sorted(staged) != sorted(ids):
+                raise ValueError(f"layer {layer} staged slots {staged}, commit got {ids}")
+            if any(x > convs.shape[1] for x in m):
+                raise ValueError(f"num_accepted {m} exceeds q={convs.shape[1]}")
+            row_of = {s: r for r, s in enumerate(staged)}
+            plans.append((layer, tuple(row_of[ids[i]] for i in keep), convs, ssms))
+        dst = [ids[i] for i in keep]
+        pos = [m[i] - 1 for i in keep]
+        index: dict[tuple, tuple] = {}  # row order -> (rows, positions, slots) tensors, built once
+        for layer, rows, convs, ssms in plans:
+            if not rows:
                 continue
-            r = rows.to(convs.device)
-            p = pos.to(convs.device)
-            d = dst.to(self.conv.device)
+            if len(rows) == 1:  # one sequence: plain indexing, no index tensors
+                r, p, d = rows[0], pos[0], dst[0]
+                self.conv[d, layer] = convs[r, p]
+                state = ssms[r, p] if isinstance(ssms, torch.Tensor) else ssms.state_after(slice(r, r + 1), p)[0]
+                self.ssm[d, layer] = state
+                continue
+            if rows not in index:
+                dev = convs.device
+                index[rows] = (torch.tensor(rows, device=dev), torch.tensor(pos, device=dev),
+                               torch.tensor(dst, device=self.conv.device))
+            r, p, d = index[rows]
             self.conv[d, layer] = convs[r, p].to(self.conv.device, self.conv.dtype)
-            if isinstance(ssms, torch.Tensor):
-                state = ssms[r.to(ssms.device), p.to(ssms.device)]
-            else:  # factors: build just the committed states
-                state = ssms.state_after(r.to(convs.device), p.to(convs.device))
+            state = ssms[r.to(ssms.device), p.to(ssms.device)] if isinstance(ssms, torch.Tensor) else ssms.state_after(r, p)
             self.ssm[d, layer] = state.to(self.ssm.device, torch.float32)
         self._staged.clear()
 

@@ -101,8 +101,9 @@ class StateFactors:
     def q(self) -> int:
         return int(self.from_start.shape[-1])
 
-    def state_after(self, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # rows, t [n] -> [n, H, P, N]
-        """The state after token t[i] (0-based) of sequence rows[i]."""
+    def state_after(self, rows: torch.Tensor | slice, t: torch.Tensor | int) -> torch.Tensor:  # -> [n, H, P, N]
+        """The state after token t[i] (0-based) of sequence rows[i] (rows, t [n]; or one sequence as
+        rows = slice(r, r + 1) and t an int, with no index tensors)."""
         w = self.decay[rows, :, t, :]  # [n, H, q]: weight of each token's input at position t
         xw = self.xdt[rows] * w.transpose(1, 2)[..., None]  # [n, q, H, P]
         added = xw.permute(0, 2, 3, 1) @ self.Bh[rows].transpose(1, 2)  # [n, H, P, q] @ [n, H, q, N]
