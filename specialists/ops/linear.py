@@ -5,11 +5,14 @@ MKL, whose small-M sgemm repacks the weight on every call; on the AMD EPYC we ru
 [4096 x 256] product took 217 us against 62 us for oneDNN on a pre-packed weight (0.2-0.5x the time
 for every weight shape of the default specialists at 2-8 rows, about even at one row).
 
-And exactness: with the weight in oneDNN's blocked layout (packed for a batch hint >= 2), a row's
-result does not depend on how many rows are in the call, nor on the thread count, bit for bit
-(`tests/test_linear.py` checks it for 1..300 rows). With MKL it does: a 4-row verify and a 1-row
-decode of the same token differed in the last bits. So a verify pass computes exactly what plain
-decoding would, and a conv state committed after a verify equals the one a fresh prefill makes.
+And exactness: on AVX-512 CPUs without AMX (the AMD EPYC we develop and run CI on), with the
+weight in oneDNN's blocked layout (packed for a batch hint >= 2), a row's result does not depend on
+how many rows are in the call, nor on the thread count, bit for bit (`tests/test_linear.py` checks
+1..300 rows). With MKL it does: a 4-row verify and a 1-row decode of the same token differed in the
+last bits. So there a verify computes exactly the products plain decoding would, and a conv state
+committed after a verify equals the one a fresh prefill makes. On a Xeon with AMX (the H100 host)
+oneDNN picks kernels whose rows differ in the last bits at 1 and 2 rows for some shapes: there the
+products are only close, as with MKL (greedy exactness never rested on bit-identical products).
 
 `proposal_linear(w)` is for products that only propose (the drafter's): int8 weights, bf16
 activations. In a decode step the weights stream from L3 (a layer's are larger than L2), so bytes

@@ -169,8 +169,9 @@ def _in_proj(p: Mamba2Params, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """in_proj, split into (z, xBC, dt). On CPU in fp32 this is oneDNN on a packed weight
     (specialists/ops/linear.py), whose rows do not depend on the batch shape: BLAS picked different
     kernels (and summation orders) for a 6-row verify batch than for a 300-row prefill, which moved
-    the projected xBC -- i.e. the conv state, a copy of it -- by 2-3 fp32 ulps. Row-invariant, a
-    committed conv state equals a fresh prefill's bit for bit."""
+    the projected xBC -- i.e. the conv state, a copy of it -- by 2-3 fp32 ulps. Row-invariant (on
+    CPUs without AMX, see linear.py), a committed conv state equals a fresh prefill's bit for bit.
+    This replaced an fp64 product for the xBC rows."""
     zxbcdt = linear(u, p.in_proj_weight, p.in_proj_bias)
     return zxbcdt.split([p.d_inner, p.conv_dim, p.num_heads], dim=-1)
 
