@@ -39,7 +39,6 @@ class PagedDrafter:
     ) -> None:
         cfg = drafter.cfg
         self.drafter, self.cfg = drafter, cfg
-        self.embed, self.lm_head = embed, lm_head
         self.block_size = block_size
         p = next(drafter.parameters())
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -50,37 +49,36 @@ class PagedDrafter:
         self._cs = torch.empty(0, 2, 1, hd, device=p.device)  # [positions, 2, 1, hd] cos / signed sin, grown on demand
         self.scale = hd ** -0.5
         self.vocab = None if vocab is None else vocab.to(p.device)
-        self.head = (lm_head if vocab is None else lm_head[self.vocab]).contiguous()  # [N, d]
-        # fused weights: one matmul for q, k, v and one for gate, up
-        blk = drafter.block
-        with torch.no_grad():
-            self.w_qkv = torch.cat([blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight]).contiguous()
-            self.w_gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight]).contiguous()
         self.split_qkv = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
         self.eps = cfg.rms_norm_eps
-        # fuse(prev, token) = proj([hidden_norm(prev), embed_norm(emb)]) = W_h hidden_norm(prev) + T[token],
-        # with T = embed_norm(E) W_e^T precomputed for the whole vocabulary ([V, d], one row read per token)
-        d = cfg.hidden_size
-        with torch.no_grad():
-            w = drafter.proj.weight  # [d, 2d]
-            self.w_hidden = w[:, :d].contiguous()
-            emb = F.rms_norm(embed.to(p.dtype), (d,), drafter.embed_norm.weight, self.eps)
-            self.token_proj = F.linear(emb, w[:, d:]).contiguous()  # [V, d]
         self.min_confidence = min_confidence
-        # drafts are proposals (verification decides), so on the CPU the products read int8 copies of
-        # the weights (bf16 activations): a quarter of the bytes of the reads that dominate a step
+        d = cfg.hidden_size
+        blk = drafter.block
         # Each RMSNorm's gain is folded into the columns of the product that reads it. On the CPU its
         # sqrt(d) too, so a norm is x / |x| (3 cheap ops for F.rms_norm's ~9 us; the eps term is
         # dropped, a relative change of ~eps / mean(x^2), ~1e-5, in a proposal); on a GPU the norm
-        # stays F.rms_norm without a gain (one fused kernel)
+        # stays F.rms_norm without a gain (one fused kernel).
         self._cpu = p.device.type == "cpu"
         gain = d ** 0.5 if self._cpu else 1.0
-        fold = lambda w, norm: w.detach() * (norm.weight.detach() * gain)[None, :]  # noqa: E731
         with torch.no_grad():
+            def fold(w: torch.Tensor, norm) -> torch.Tensor:
+                return w.detach() * (norm.weight.detach() * gain)[None, :]
+
+            # fuse(prev, token) = proj([hidden_norm(prev), embed_norm(emb)]) = W_h hidden_norm(prev) + T[token],
+            # with T = embed_norm(E) W_e^T precomputed for the whole vocabulary ([V, d], one row read per token)
+            w = drafter.proj.weight  # [d, 2d]
+            emb = F.rms_norm(embed.to(p.dtype), (d,), drafter.embed_norm.weight, self.eps)
+            self.token_proj = F.linear(emb, w[:, d:]).contiguous()  # [V, d]
+            # drafts are proposals (verification decides), so on the CPU the products read int8 copies
+            # of the weights (bf16 activations): a quarter of the bytes of the reads that dominate a
+            # step. q, k, v in one product, gate and up in one.
+            qkv = torch.cat([blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight])
+            gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight])
+            head = lm_head if vocab is None else lm_head[self.vocab]  # [N, d]
             self.mm_qkv, self.mm_o, self.mm_gate_up, self.mm_down, self.mm_hidden, self.mm_head = (
-                proposal_linear(w) for w in (fold(self.w_qkv, blk.attn_norm), blk.o_proj.weight.detach(),
-                                             fold(self.w_gate_up, blk.mlp_norm), blk.down_proj.weight.detach(),
-                                             fold(self.w_hidden, drafter.hidden_norm), fold(self.head, drafter.final_norm)))
+                proposal_linear(m.contiguous()) for m in (
+                    fold(qkv, blk.attn_norm), blk.o_proj.weight.detach(), fold(gate_up, blk.mlp_norm),
+                    blk.down_proj.weight.detach(), fold(w[:, :d], drafter.hidden_norm), fold(head, drafter.final_norm)))
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -116,7 +114,6 @@ class PagedDrafter:
         return q, k, qkv[:, nq + nk :].view(t, cfg.num_key_value_heads, cfg.head_dim)
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # x [T, d], o [T, H, hd] -> [T, d]
-        blk = self.drafter.block
         x = x + self.mm_o(o.reshape(x.shape[0], -1))
         gate, up = self.mm_gate_up(self._unit(x), low=True).chunk(2, dim=-1)  # may stay bf16 into mm_down
         return x + self.mm_down(F.silu(gate) * up)

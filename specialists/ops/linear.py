@@ -37,7 +37,6 @@ __all__ = ["linear", "onednn_enabled", "proposal_linear"]
 _HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
 _lock = threading.Lock()
 _packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(w) -> (ref to w, w._version, packed)
-_LINEAR = None  # torch.ops.mkldnn._linear_pointwise.default, looked up once
 
 
 def _available() -> bool:
@@ -50,6 +49,7 @@ def _available() -> bool:
 
 
 _ENABLED = _available()
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if _ENABLED else None  # looked up once
 
 
 def onednn_enabled() -> bool:
@@ -72,9 +72,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if not (_ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
             and w.dim() == 2 and x.numel() and not torch.is_grad_enabled()):
         return F.linear(x, w, b)
-    global _LINEAR
-    if _LINEAR is None:
-        _LINEAR = torch.ops.mkldnn._linear_pointwise.default
     if x.dim() == 2:
         return _LINEAR(x if x.is_contiguous() else x.contiguous(), _pack(w), b, "none", [], "")
     out = _LINEAR(x.reshape(-1, x.shape[-1]).contiguous(), _pack(w), b, "none", [], "")
@@ -87,14 +84,13 @@ class _Int8Linear:
     [896 x 256] product whose weight misses L2 took 12 us at one row, against 38 us for oneDNN fp32
     and 105 us for F.linear."""
 
-    __slots__ = ("w", "scale", "out_features")
+    __slots__ = ("w", "scale")
 
     def __init__(self, w: torch.Tensor) -> None:
         w = w.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16)
-        self.out_features = w.shape[0]
 
     def __call__(self, x: torch.Tensor, low: bool = False) -> torch.Tensor:  # [T, in] -> [T, out] fp32 (bf16 if low)
         out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale)
