@@ -65,6 +65,10 @@ class Speculator:
         dev = self.device
         t_draft = time.perf_counter()
         want = {id(seq): (seq.spec_k if self.drafter is not None and seq.draft_ok else 0) for seq in decodes}
+        ks = set(want.values())
+        if not prefills and len(ks) == 1 and self.runner.static_batch(len(decodes), 1 + min(ks)) and (
+                self.drafter is None or self.drafter.min_confidence == 0):
+            return self._execute_static(decodes, ks.pop(), method, typical, rebuild, t_draft)
         spec_seqs = [seq for seq in decodes if want[id(seq)] > 0]
         drafts = None
         if spec_seqs:  # draft first: the drafter may stop a chain early (low confidence), which sets k
@@ -142,11 +146,55 @@ class Speculator:
             packed = torch.cat([packed, draft_tokens], dim=1)
         host = packed.tolist()  # the one host sync of the step
         t_end = time.perf_counter()
+        runs, dlist = self._runs(rows, host, greedy, kmax, draft_tokens is not None)
+        return rows, StepOutput(runs, t_verify - t_draft, t_end - t_verify, dlist)
 
+    def _execute_static(self, decodes: list[Any], k: int, method: str, typical: TypicalParams, rebuild: bool,
+                        t_draft: float) -> tuple[list[Row], StepOutput]:
+        """`execute` for a static batch (every row a decode with k drafts; CUDA graphs on a GPU):
+        the chain, and the verify with its argmax (and a greedy step's rebuild), each one graph."""
+        B, q = len(decodes), 1 + k
+        committed = [self.kv.num_computed(s.seq_id) for s in decodes]
+        Bp, width = self.runner.static_shape(B, max(committed) + q)  # the verify's rows and attention width
+        drafts = None
+        if k:
+            drafts = self.drafter.chain_static(self._draft_out, [self._draft_index[s.seq_id] for s in decodes], committed,
+                                               [self.kv.block_table(s.seq_id) for s in decodes], k, Bp, width)
+        rows = [Row(seq, False, [seq.output_ids[-1]] + [0] * k, k, b * q) for b, seq in enumerate(decodes)]
+        t_verify = time.perf_counter()
+        params = [r.seq.params for r in rows]
+        greedy = all(p.greedy for p in params)
+        in_graph = rebuild and greedy and self.drafter is not None  # the rebuild's next tokens are the argmaxes
+        res = self.runner.run([(r.seq.seq_id, r.tokens, False, r.seq.ssm_slot) for r in rows], fill_rows=drafts,
+                              rebuild=self.drafter.rebuild if in_graph else None)
+        if greedy:
+            tokens = res.best.view(B, q)
+            packed = tokens
+        else:
+            no_drafts = torch.zeros(B, k, dtype=torch.int64, device=self.device)
+            num_drafts = torch.full((B,), k, dtype=torch.int64, device=self.device)
+            result = accept(res.logits.view(B, q, -1), no_drafts if drafts is None else drafts[:B], num_drafts, params,
+                            [method] * B, [r.seq.generator for r in rows], typical=typical)
+            tokens = result.tokens
+            packed = torch.cat([result.num_accepted[:, None], tokens], dim=1)
+        if in_graph:
+            self._draft_out = res.draft_out
+        elif rebuild and self.drafter is not None:
+            self._rebuild(rows, res, tokens, k)
+        if drafts is not None:
+            packed = torch.cat([packed, drafts[:B]], dim=1)
+        host = packed.tolist()  # the one host sync of the step
+        runs, dlist = self._runs(rows, host, greedy, k, drafts is not None)
+        return rows, StepOutput(runs, t_verify - t_draft, time.perf_counter() - t_verify, dlist)
+
+    @staticmethod
+    def _runs(rows: list[Row], host: list[list[int]], greedy: bool, kmax: int, drafted: bool):
+        """The step's host copy -> (runs, verified drafts) per row: a greedy row's kept drafts are
+        the leading ones equal to the target's argmax; a sampled row carries its count first."""
         runs, dlist = [], []
         off = 0 if greedy else 1  # greedy rows carry no accepted count
         for r, h in zip(rows, host):
-            d = h[off + kmax + 1 : off + kmax + 1 + r.k] if draft_tokens is not None else []
+            d = h[off + kmax + 1 : off + kmax + 1 + r.k] if drafted else []
             if greedy:
                 a = 0
                 while a < r.k and d[a] == h[a]:
@@ -155,7 +203,7 @@ class Speculator:
                 a = h[0]
             runs.append(h[off : off + a + 1])
             dlist.append(d)
-        return rows, StepOutput(runs, t_verify - t_draft, t_end - t_verify, dlist)
+        return runs, dlist
 
     def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
         """-> drafts [S, k] (k <= kmax) and how many of them each sequence should verify (host)."""

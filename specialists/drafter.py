@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specialists.graphs import GraphCache, graphs_allowed
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
 from specialists.ops.attention import paged_attention, workspace, write_kv
@@ -36,12 +37,15 @@ class PagedDrafter:
         block_size: int,
         vocab: torch.Tensor | None = None,  # [N] int64 token ids the drafter may propose (None: all)
         min_confidence: float = 0.0,  # stop a chain at the first draft whose probability is below this
+        cuda_graphs: bool | None = None,  # chain_static as CUDA graphs (None: on a CUDA device)
+        max_positions: int = 4096,  # RoPE positions the tables hold from the start (graphs read them)
     ) -> None:
         cfg = drafter.cfg
         self.drafter, self.cfg = drafter, cfg
         self.block_size = block_size
         p = next(drafter.parameters())
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # one block past the pool, like the target's KV: the scratch block padding rows write
+        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)  # [num_blocks, block_size, H_kv, hd]
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         hd = cfg.head_dim
@@ -52,6 +56,9 @@ class PagedDrafter:
         self.split_qkv = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
         self.eps = cfg.rms_norm_eps
         self.min_confidence = min_confidence
+        self.graphs = GraphCache(graphs_allowed(p.device, cuda_graphs))
+        self._static: dict[tuple, tuple] = {}  # (rows, k, width) -> the static inputs of chain_static
+        self._grow(max_positions)
         d = cfg.hidden_size
         blk = drafter.block
         # Each RMSNorm's gain is folded into the columns of the product that reads it. On the CPU its
@@ -92,7 +99,13 @@ class PagedDrafter:
     def _tables(self, pos: torch.Tensor, max_pos: int) -> torch.Tensor:  # -> [T, 2, 1, hd]: cos, signed sin
         """RoPE tables with the rotate-half sign folded into sin: x*cos + roll(x, hd/2)*[-sin, sin]
         equals x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in two fewer ops."""
+        self._grow(max_pos)
+        return self._cs[pos]
+
+    def _grow(self, max_pos: int) -> None:
         if max_pos >= self._cs.shape[0]:
+            if len(self.graphs):  # captured graphs read the table: it must not move under them
+                raise RuntimeError(f"RoPE position {max_pos} past the {self._cs.shape[0]} reserved (max_positions)")
             n = max(2 * max_pos, 1024)
             angles = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
             emb = torch.cat([angles, angles], dim=-1)
@@ -100,7 +113,6 @@ class PagedDrafter:
             sin = emb.sin()
             sin[:, :h].neg_()
             self._cs = torch.stack([emb.cos(), sin], dim=1)[:, :, None].to(self.k.dtype)  # [n, 2, 1, hd]
-        return self._cs[pos]
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, max_pos: int):  # x [T, d], pos [T] rope positions <= max_pos
         cfg = self.cfg
@@ -148,6 +160,55 @@ class PagedDrafter:
         With min_confidence > 0 a row keeps only its leading drafts whose drafter probability is at
         least that, and the chain stops once no row is still confident. That reads the confidences on
         the host after each depth, so it is meant for the CPU, where a read is not a device sync."""
+        cmax = max(committed)
+        tab = tables[:, : -(-cmax // self.block_size)].reshape(-1).long()
+        c = torch.tensor(committed, dtype=torch.int64, device=prev.device)
+        return self._chain(prev, c, tab, k, cmax, masked=prev.shape[0] > 1)
+
+    @torch.inference_mode()
+    def chain_static(
+        self,
+        source: torch.Tensor,  # [n, d] entry outputs (the last rebuild's)
+        rows: list[int],  # [S] each sequence's row of source (its last committed entry)
+        committed: list[int],  # [S] C_b, host
+        tables: list[list[int]],  # [S] block tables covering [0, C_b)
+        k: int,  # drafts per sequence (min_confidence must be 0: no early stop)
+        num_rows: int,  # Bp >= S: the batch bucket (padding rows draft garbage, never verified)
+        width: int,  # context width, a multiple of block_size and >= every C_b
+    ) -> torch.Tensor:  # [Bp, k] drafts, a static tensor (valid until the next call with this shape)
+        """`chain` in fixed shapes, a CUDA graph per (Bp, k, width): the contexts padded to `width`
+        and masked by their lengths on the device; the host's lists reach the device in one copy."""
+        if self.min_confidence > 0:
+            raise ValueError("chain_static drafts without a confidence floor")
+        key = (num_rows, k, width)
+        nblk = width // self.block_size
+        st = self._static.get(key)
+        if st is None:
+            dev = self.k.device
+            host = torch.zeros(num_rows * (2 + nblk), dtype=torch.int64, pin_memory=dev.type == "cuda")
+            buf = host if dev.type == "cpu" else torch.zeros_like(host, device=dev)
+            prev = torch.zeros(num_rows, source.shape[1], dtype=source.dtype, device=dev)
+            st = self._static[key] = (host, host.numpy(), buf, prev)
+        host, np_, buf, prev = st
+        S = len(rows)
+        np_[:] = 0  # padding rows: context 0 (they see only their own chained entries), block 0
+        np_[:S] = committed
+        np_[num_rows:num_rows + S] = rows
+        tab = np_[2 * num_rows:].reshape(num_rows, nblk)
+        for i, t in enumerate(tables):
+            m = min(len(t), nblk)
+            tab[i, :m] = t[:m]
+        if buf is not host:
+            buf.copy_(host, non_blocking=True)
+        prev[:S] = source.index_select(0, buf[num_rows:num_rows + S]) if S > 1 else source[rows[0]:rows[0] + 1]
+        self._grow(width + k)  # outside a capture
+        c, flat = buf[:num_rows], buf[2 * num_rows:]
+        return self.graphs.run(key, lambda: self._chain(prev, c, flat, k, width, masked=True)[0])
+
+    def _chain(self, prev: torch.Tensor, c: torch.Tensor, tab: torch.Tensor, k: int, width: int,
+               masked: bool) -> tuple[torch.Tensor, list[int]]:
+        """prev [B, d], c [B] contexts, tab [B * width / block_size] their blocks (flat, int64),
+        width >= every context -> (drafts [B, k'], drafts to verify per row)."""
         b = prev.shape[0]
         counts = [k] * b
         alive = [True] * b
@@ -157,25 +218,22 @@ class PagedDrafter:
             return torch.stack(drafts, dim=1), counts
         dev = prev.device
         bs, cfg = self.block_size, self.cfg
-        cmax = max(committed)
-        nblk = -(-cmax // bs)
-        tab = tables[:, :nblk].reshape(-1).long()
+        nblk = -(-width // bs)
         hkv, hd = cfg.num_key_value_heads, cfg.head_dim
-        # one dense [B, C + k - 1] buffer: the committed context, then the chained entries in place
-        keys = workspace("chain.k", (b, cmax + k - 1, hkv, hd), self.k.dtype, self.k.device)
-        values = workspace("chain.v", (b, cmax + k - 1, hkv, hd), self.v.dtype, self.v.device)
+        # one dense [B, width + k - 1] buffer: the committed contexts, then the chained entries
+        keys = workspace("chain.k", (b, width + k - 1, hkv, hd), self.k.dtype, self.k.device)
+        values = workspace("chain.v", (b, width + k - 1, hkv, hd), self.v.dtype, self.v.device)
         gathered = workspace("chain.gather", (tab.numel(), bs, hkv, hd), self.k.dtype, self.k.device)
         for pool, dst in ((self.k, keys), (self.v, values)):
-            dst[:, :cmax] = torch.index_select(pool, 0, tab, out=gathered).view(b, nblk * bs, hkv, hd)[:, :cmax]
-        c = torch.tensor(committed, dtype=torch.int64, device=dev)
-        span = torch.arange(cmax + k - 1, device=dev)[None, :]
-        # [B, 1, 1, S]: context + tail; one sequence sees every slot up to n, so it needs none
-        mask = ((span < c[:, None]) | (span >= cmax))[:, None, None, :] if b > 1 else None
+            dst[:, :width] = torch.index_select(pool, 0, tab, out=gathered).view(b, nblk * bs, hkv, hd)[:, :width]
+        span = torch.arange(width + k - 1, device=dev)[None, :]
+        # [B, 1, 1, S]: context + tail; one sequence at its own width sees every slot, so it needs none
+        mask = ((span < c[:, None]) | (span >= width))[:, None, None, :] if masked else None
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         for depth in range(2, k + 1):
             x = self._fuse(prev, drafts[-1])  # [B, d]
-            q, kk, vv = self._qkv(x, c + (depth - 1), cmax + depth)  # entry index C + depth - 2, rope position + 1
-            n = cmax + depth - 1
+            q, kk, vv = self._qkv(x, c + (depth - 1), width + depth)  # entry index C + depth - 2, rope position + 1
+            n = width + depth - 1
             keys[:, n - 1] = kk
             values[:, n - 1] = vv
             o = F.scaled_dot_product_attention(

@@ -77,6 +77,8 @@ class EngineConfig:
     check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
     draft_min_confidence: float | None = None  # stop drafting below this drafter probability (None: off)
     pad_batches: bool | None = None  # pad decode/verify batches to batch-size buckets (None: on CUDA only)
+    cuda_graphs: bool | None = None  # decode / verify steps as CUDA graphs (None: on CUDA; CANTATA_CUDA_GRAPHS=0 off)
+    static_batches: bool = False  # run the graphs' static batches eagerly where there are no graphs (tests)
 
 
 class Engine:
@@ -90,11 +92,13 @@ class Engine:
         self.kv = KVCache(model.kv_cache_config(num_blocks, cfg.block_size, cfg.enable_prefix_cache and not hybrid))
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = Runner(model, self.kv, self.ssm, device, cfg.pad_batches)
+        self.runner = Runner(model, self.kv, self.ssm, device, cfg.pad_batches, cfg.cuda_graphs, cfg.static_batches,
+                             cfg.max_model_len, cfg.max_num_seqs)
         conf = cfg.draft_min_confidence
         if conf is None:  # off: with int8 drafting on CPU a full chain costs less than the drafts it loses
             conf = 0.0
-        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf)
+        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf,
+                                     cfg.cuda_graphs, self.runner.max_context_width + 64)
                         if drafter is not None else None)
         if policy is None:
             policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")
@@ -133,6 +137,8 @@ class Engine:
         draft_vocab_size: int | None = None,
         draft_min_confidence: float | None = None,
         pad_batches: bool | None = None,
+        cuda_graphs: bool | None = None,
+        static_batches: bool = False,
     ) -> "Engine":
         """`policy` None: speculation in the default policy when the checkpoint has a drafter, off
         otherwise; asking for speculation without a drafter raises MissingDrafterError.
@@ -142,7 +148,8 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         limit = min(model.config.max_position_embeddings, max_model_len or 2048)
         cfg = EngineConfig(max_num_seqs, limit, block_size, num_blocks, enable_prefix_cache,
-                           draft_min_confidence=draft_min_confidence, pad_batches=pad_batches)
+                           draft_min_confidence=draft_min_confidence, pad_batches=pad_batches,
+                           cuda_graphs=cuda_graphs, static_batches=static_batches)
         drafter = None
         if load_mtp and (policy is None or policy.mode != "off"):
             try:

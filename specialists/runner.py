@@ -16,20 +16,36 @@ with rows that read the KV cache's scratch block and the SSM cache's scratch slo
 that is ever read, so a step's shapes come from a small fixed set, which is what CUDA graph capture
 and shape-specialized kernels need. Padding is on by default on CUDA and off on CPU, where padded
 rows are only extra work.
+
+CUDA graphs (specialists/graphs.py): a step whose rows all decode or verify the same number of
+tokens is a *static* batch: padded to its bucket, its block tables at the buffers' full width, and
+its attention over a context width W from a few buckets (256, 512, 1024, ... up to the longest
+sequence) with the lengths read on the device, so that the forward (plus the argmax and, for a
+speculating greedy step, the drafter's rebuild) is one graph per (bucket, tokens per row, W) that is
+captured once and replayed. A static batch stages the Mamba states even of a plain decode (its
+forward writes no state; the engine's commit does), which is what lets a graph run twice to the
+same effect. Prefills and mixed steps run eagerly. On by default on CUDA; `static_batches=True`
+runs the same static forward eagerly (the CPU tests of this path; CANTATA_STATIC_BATCHES=1 does it
+for every engine, e.g. a whole test run).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
+from specialists.graphs import GraphCache, graphs_allowed
 from specialists.models.batch import ForwardBatch
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GRAPH_BATCH = 64  # static (graph) batches up to this many rows; larger ones run eagerly
+MIN_CONTEXT_WIDTH = 256  # the smallest attention width of a static batch
 
 
 def bucket_size(n: int) -> int:
@@ -40,11 +56,22 @@ def bucket_size(n: int) -> int:
     return n
 
 
+def context_width(n: int, cap: int) -> int:
+    """The attention width of a static batch whose longest context is n: the smallest power of two
+    >= max(n, MIN_CONTEXT_WIDTH), at most cap (the block tables' full width in positions)."""
+    w = MIN_CONTEXT_WIDTH
+    while w < n:
+        w *= 2
+    return min(w, cap)
+
+
 @dataclass
 class StepResult:
     logits: torch.Tensor  # [n, V] float32, rows at batch.logits_indices (prefill: last token; decode: all)
     hidden: torch.Tensor  # [T, d] the final-normed hidden state of every (real) token of the batch
     batch: ForwardBatch  # the real rows (views into the runner's static buffers: valid until the next step)
+    best: torch.Tensor | None = None  # [n] argmax of each logits row (static batches)
+    draft_out: torch.Tensor | None = None  # [Tp, d] the drafter's rebuilt entries (static batch, rebuild given)
 
 
 class StaticInputs:
@@ -56,9 +83,11 @@ class StaticInputs:
 
     def __init__(self, device: torch.device, max_tokens: int = 256, max_seqs: int = 16, max_blocks: int = 64) -> None:
         self.device = device
+        self.generation = -1  # bumped at every (re)allocation: graphs over the old buffers are stale
         self._allocate(max_tokens, max_seqs, max_blocks)
 
     def _allocate(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        self.generation += 1
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         sizes = [max_tokens] * len(self._TOKEN_FIELDS) + [max_seqs] * len(self._SEQ_FIELDS) + [max_seqs + 1, max_seqs * max_blocks]
         self.offsets, o = [], 0
@@ -82,14 +111,36 @@ class StaticInputs:
 
 class Runner:
     def __init__(self, model, kv: KVCache, ssm: SSMCache | None, device: str | torch.device,
-                 pad_batches: bool | None = None) -> None:
+                 pad_batches: bool | None = None, cuda_graphs: bool | None = None,
+                 static_batches: bool = False, max_model_len: int = 2048, max_num_seqs: int = 16) -> None:
         self.model = model
         self.kv = kv
         self.ssm = ssm
         self.device = torch.device(device)
-        self.pad_batches = self.device.type == "cuda" if pad_batches is None else pad_batches
-        self.inputs = StaticInputs(self.device)
+        static = graphs_allowed(self.device, cuda_graphs) or static_batches or os.environ.get("CANTATA_STATIC_BATCHES") == "1"
+        self.pad_batches = (self.device.type == "cuda" or static) if pad_batches is None else pad_batches
+        # block tables wide enough for max_model_len (+ a verify's lookahead): static batches use the full width
+        blocks = -(-max_model_len // kv.block_size) + 2
+        self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * max_num_seqs),
+                                   max_seqs=max(16, bucket_size(max_num_seqs)), max_blocks=max(64, blocks))
+        # static batches are padded ones: pad_batches=False turns them (and the graphs) off
+        self.static = static and self.pad_batches
+        self.graphs = GraphCache(graphs_allowed(self.device, cuda_graphs) and self.static)
+        self._generation = self.inputs.generation
         self.padded_steps = 0  # steps that ran with padding rows (for tests and metrics)
+        self.static_steps = 0  # steps that ran as static batches (graphs on CUDA)
+
+    @property
+    def max_context_width(self) -> int:
+        return self.inputs.max_blocks * self.kv.block_size
+
+    def static_shape(self, num_rows: int, max_context: int) -> tuple[int, int]:
+        """(padded rows, attention width) of a static batch of num_rows rows, the longest context max_context."""
+        return bucket_size(num_rows), context_width(max_context, self.max_context_width)
+
+    def static_batch(self, num_rows: int, q: int) -> bool:
+        """Whether a batch of num_rows decode / verify rows of q tokens each runs static (a graph)."""
+        return self.static and q <= self.kv.block_size and bucket_size(num_rows) <= MAX_GRAPH_BATCH
 
     def build(self, rows: list[tuple[int, list[int], bool, int]]) -> tuple[ForwardBatch, ForwardBatch]:
         """rows (seq_id, new token ids, is_prefill, ssm slot) -> (the padded batch the model runs, the
@@ -104,7 +155,9 @@ class Runner:
             raise ValueError(f"seq {rows[qlens.index(0)][0]}: no new tokens")
         B = len(rows)
         pad = 0
-        if self.pad_batches and not any(pre for _, _, pre, _ in rows) and len(set(qlens)) == 1 and qlens[0] <= bs:
+        uniform = not any(pre for _, _, pre, _ in rows) and len(set(qlens)) == 1
+        static = uniform and self.static_batch(B, qlens[0])
+        if static or (self.pad_batches and uniform and qlens[0] <= bs):
             pad = bucket_size(B) - B
             self.padded_steps += pad > 0
         q_pad = qlens[0]
@@ -112,6 +165,8 @@ class Runner:
         width = max(max(len(t) for t in tables), 1)
         inp = self.inputs
         inp.ensure(Tp, Bp, width)
+        if static:  # the full width: a graph's views do not depend on the step
+            width = inp.max_blocks
 
         ids, pos, slots, tseq, tq, lidx = (inp.segment(i, Tp) for i in range(6))
         ctx, sslot = inp.segment(6, Bp), inp.segment(7, Bp)
@@ -152,10 +207,17 @@ class Runner:
                 tab[b, 0] = kv.scratch_block
                 ctx[b] = q_pad
                 sslot[b] = scratch_slot
+                if static:  # a static batch computes every row's logits
+                    lidx[t:t + q_pad] = np.arange(t, t + q_pad)
                 t += q_pad
                 qsl[b + 1] = t
         if self.device.type != "cpu":  # one host -> device copy of everything the step needs
             inp.dev.copy_(inp.host, non_blocking=True)
+
+        max_ctx = int(ctx[:Bp].max())
+        if static:
+            max_ctx = context_width(max_ctx, self.max_context_width)
+            self.static_steps += 1
 
         def batch(nb: int, nt: int, nl: int) -> ForwardBatch:
             seg = lambda i, n: inp.segment(i, n, host=False)  # noqa: E731
@@ -165,22 +227,51 @@ class Runner:
                 block_tables=seg(9, Bp * width).view(Bp, width)[:nb], slot_mapping=seg(2, nt),
                 ssm_slots=seg(7, nb), logits_indices=seg(5, nl), query_lens=(qlens + [q_pad] * (nb - B)),
                 is_prefill=[r[2] for r in rows] + [False] * (nb - B), token_seq=seg(3, nt), token_qidx=seg(4, nt),
-                max_query_len=max(qlens), max_context_len=int(ctx[:nb].max()), ssm_slot_list=sslot[:nb].tolist(),
-                num_pad=nb - B,
+                max_query_len=max(qlens), max_context_len=max_ctx if static else int(ctx[:nb].max()),
+                ssm_slot_list=sslot[:nb].tolist(), num_pad=nb - B, static=static,
             )
 
         real = batch(B, T, n_logits)
-        return (batch(Bp, Tp, n_logits) if pad else real), real
+        return (batch(Bp, Tp, Tp if static else n_logits) if pad else real), real
 
     @torch.inference_mode()
     def run(
         self,
         rows: list[tuple[int, list[int], bool, int]],  # (seq_id, new token ids, is_prefill, ssm slot)
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,  # (flat token index [n], token id [n]) on device
+        fill_rows: torch.Tensor | None = None,  # [Bp, q-1] drafts of every (padded) row of a static batch
+        rebuild: Callable[[ForwardBatch, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> StepResult:
+        """`rebuild(batch, hidden, next_tokens)` (a static batch only): the drafter's rebuild, run
+        after the forward (in its graph) with each token's argmax as the next token."""
         batch, real = self.build(rows)
         if fill is not None:
             batch.input_ids.index_copy_(0, fill[0], fill[1])
-        hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
-        hidden = hidden[: real.num_tokens]
-        return StepResult(self.model.logits(hidden[real.logits_indices]).float(), hidden, real)
+        if not batch.static:
+            hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
+            hidden = hidden[: real.num_tokens]
+            return StepResult(self.model.logits(hidden[real.logits_indices]).float(), hidden, real)
+        Bp, q = batch.num_seqs, batch.max_query_len
+        if fill_rows is not None:
+            batch.input_ids.view(Bp, q)[:, 1:].copy_(fill_rows)
+        if self.inputs.generation != self._generation:  # the buffers were reallocated
+            self.graphs.clear()
+            self._generation = self.inputs.generation
+
+        def step():
+            batch.__dict__.pop("_attn_meta", None)  # built inside the graph, from the static buffers
+            batch.staged = []
+            hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
+            logits = self.model.logits(hidden).float()
+            best = logits.argmax(-1)
+            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), batch.staged
+
+        key = ("step", Bp, q, batch.max_context_len, rebuild is not None)
+        hidden, logits, best, draft_out, staged = self.graphs.run(key, step)
+        if staged:  # the Mamba states of each token, committed after acceptance (real rows only)
+            slots = [r[3] for r in rows]
+            B = len(rows)
+            for layer, convs, states in staged:
+                self.ssm.stage(layer, slots, convs[:B], states[:B] if isinstance(states, torch.Tensor) else states.rows(B))
+        T = real.num_tokens
+        return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out)

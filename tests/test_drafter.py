@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -43,13 +44,25 @@ def _capture(engine: Engine, prompt: list[int], max_tokens: int = 30) -> list[tu
         return drafts, counts
 
     engine.speculator._draft = spy
+    chain_static = engine.drafter.chain_static
+
+    def spy_static(source, rows, committed, tables, k, num_rows, width):  # a static batch (one sequence here)
+        drafts = chain_static(source, rows, committed, tables, k, num_rows, width)
+        seen.append((list(engine.scheduler.running[0].all_ids), drafts[0].tolist(), k))
+        return drafts
+
+    engine.drafter.chain_static = spy_static
     engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return seen
 
 
-def test_paged_drafts_equal_the_dense_reference() -> None:
-    engine = _engine(draft_vocab_size=0, draft_min_confidence=0.0)
+@pytest.mark.parametrize("static", [False, True])
+def test_paged_drafts_equal_the_dense_reference(static: bool) -> None:
+    """The eager chain (exact context width) and the static one (a CUDA graph's: the context padded to
+    a width bucket and masked on the device) propose what the dense reference proposes."""
+    engine = _engine(draft_vocab_size=0, draft_min_confidence=0.0, pad_batches=static, static_batches=static)
     seen = _capture(engine, _prompt(engine))
+    assert (engine.runner.static_steps > 0) == static
     m, drafter = engine.model, engine.drafter.drafter
     checked = 0
     for ids, drafts, _ in seen:

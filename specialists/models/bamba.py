@@ -10,7 +10,8 @@ paged KV) or a Mamba2 mixer whose states live in an SSMCache slot per sequence:
 * decode / verify sequences (q = 1 or K+1 tokens): one batched `mamba2_multi_step` (shorter
   sequences padded at the end: states are causal, the padding never reaches an accepted state),
   the per-token states staged with `ssm.stage`; the engine calls `ssm.commit(slots, num_accepted)`
-  after acceptance.
+  after acceptance. In a static batch (CUDA graphs) even a plain decode's state is staged, by the
+  runner after the graph: the forward itself writes no state.
 """
 
 from __future__ import annotations
@@ -73,8 +74,20 @@ class BambaModel(DecoderBase):
     def num_mamba_layers(self) -> int:
         return self._n_mamba
 
+    def _mamba_static(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
+        """A static batch (rows of q tokens each, CUDA graphs): states read through the device slot
+        tensor, nothing written; the per-token states (a verify: their factors) go to batch.staged."""
+        B, q = batch.num_seqs, batch.max_query_len
+        conv = ssm.conv[:, layer].index_select(0, batch.ssm_slots)
+        state = ssm.ssm[:, layer].index_select(0, batch.ssm_slots)
+        y, convs, states = (mamba2_multi_step if q == 1 else mamba2_verify)(p, x.view(B, q, -1), conv, state)
+        batch.staged.append((layer, convs, states))
+        return y.reshape(B * q, -1)
+
     def _mamba(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
         """x [T, d] normed -> mixer output [T, d]; prefills write their slots, the rest is staged."""
+        if batch.static:
+            return self._mamba_static(p, layer, x, batch, ssm)
         out = torch.empty_like(x)
         qsl = [0]  # host copies: no device sync inside the forward
         for n in batch.query_lens:

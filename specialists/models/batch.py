@@ -54,6 +54,11 @@ class ForwardBatch:
     max_context_len: int  # max context_lens
     ssm_slot_list: list[int] = field(default_factory=list)  # [B] host copy of ssm_slots (empty: not given)
     num_pad: int = 0  # the last num_pad rows are padding (a bucketed batch): computed, never committed
+    # a static batch (specialists/runner.py, CUDA graphs): every row decodes / verifies max_query_len
+    # tokens, block_tables have the buffers' full width, max_context_len is the attention width (a
+    # bucket >= every context; the lengths themselves are read on the device), and the Mamba layers
+    # stage their states in `staged` instead of writing or staging them through the cache
+    static: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,7 @@ with grouped-query heads.
 The torch reference gathers each sequence's context through its block table into a padded
 [B, max_ctx] layout and runs one masked SDPA call for the whole batch: no Python loop over
 tokens. Context slots past a sequence's length (the rest of its last block, the table padding) are
-zeroed after the gather (on CPU row by row, on CUDA by one mask), so whatever the pool holds there (stale tails, other
+zeroed after the gather (on CPU row by row, on CUDA and in a static batch by one mask), so whatever the pool holds there (stale tails, other
 sequences' blocks, NaN) never reaches a result. Backends are picked per device at call time:
 `_BACKENDS` is the place for a Triton / flash-attn paged kernel on CUDA; today CUDA uses the torch
 path too.
@@ -54,8 +54,8 @@ def paged_attention_torch(
     # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
     v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
-    if B > 1:  # one sequence: every gathered slot up to max_ctx is its own context
-        if k.device.type == "cpu":  # zero just each row's tail (~6% faster at batch 8; lengths cost no sync here)
+    if B > 1 or batch.static:  # one sequence: every gathered slot up to max_ctx is its own context
+        if k.device.type == "cpu" and not batch.static:  # zero just each row's tail (~6% faster at batch 8; lengths cost no sync here)
             for b, n in enumerate(batch.context_lens.tolist()):
                 if n < max_ctx:
                     k[b, n:] = 0
@@ -68,8 +68,8 @@ def paged_attention_torch(
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
     if max_q == 1:  # decode: one token per sequence, in sequence order
         qp = q[:, None]
-    elif B == 1:  # one sequence (a verify, a prefill): its tokens in order
-        qp = q[None]
+    elif B == 1 or batch.static:  # one sequence (a verify, a prefill), or rows of one length: in order
+        qp = q.view(B, max_q, hq, d)
     else:
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
@@ -84,8 +84,8 @@ def paged_attention_torch(
     )  # [B, H_q, max_q, D]
     if max_q == 1:
         return out[:, :, 0]  # [T = B, H_q, D]
-    if B == 1:
-        return out[0].transpose(0, 1)  # [T, H_q, D]
+    if B == 1 or batch.static:
+        return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
 
 
@@ -132,8 +132,8 @@ def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch
     j = torch.arange(max_ctx, device=device)
     ctx = batch.context_lens.to(device).long()  # [B]
     invalid = (j[None, :] >= ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
-    if max_q == 1:
-        qpos = batch.positions.to(device)[:, None]  # [B, 1]
+    if max_q == 1 or batch.static:  # rows of one length: the positions in row order
+        qpos = batch.positions.to(device).view(B, max_q)  # [B, max_q]
     else:
         qpos = torch.zeros(B, max_q, dtype=torch.long, device=device)
         qpos[batch.token_seq, batch.token_qidx] = batch.positions
