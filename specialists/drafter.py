@@ -205,6 +205,16 @@ class PagedDrafter:
         c, flat = buf[:num_rows], buf[2 * num_rows:]
         return self.graphs.run(key, lambda: self._chain(prev, c, flat, k, width, masked=True)[0])
 
+    def capture_chain(self, num_rows: int, k: int, width: int, scratch_block: int) -> bool:
+        """Captures chain_static's graph for (num_rows, k, width) on padding rows (context 0, the
+        scratch block); False when there are no graphs or it is captured already."""
+        if not self.graphs.enabled or (num_rows, k, width) in self._static and self.graphs.has((num_rows, k, width)):
+            return False
+        source = torch.zeros(1, self.cfg.hidden_size, dtype=self.k.dtype, device=self.k.device)
+        self.chain_static(source, [0], [0], [[scratch_block]], k, num_rows, width)
+        torch.cuda.synchronize()  # the staging buffer is rewritten by the next call
+        return True
+
     def _chain(self, prev: torch.Tensor, c: torch.Tensor, tab: torch.Tensor, k: int, width: int,
                masked: bool) -> tuple[torch.Tensor, list[int]]:
         """prev [B, d], c [B] contexts, tab [B * width / block_size] their blocks (flat, int64),

@@ -134,6 +134,13 @@ class Runner:
     def max_context_width(self) -> int:
         return self.inputs.max_blocks * self.kv.block_size
 
+    def context_widths(self) -> list[int]:
+        """Every attention width a static batch can have."""
+        out = [context_width(1, self.max_context_width)]
+        while out[-1] < self.max_context_width:
+            out.append(context_width(out[-1] + 1, self.max_context_width))
+        return out
+
     def static_shape(self, num_rows: int, max_context: int) -> tuple[int, int]:
         """(padded rows, attention width) of a static batch of num_rows rows, the longest context max_context."""
         return bucket_size(num_rows), context_width(max_context, self.max_context_width)
@@ -196,21 +203,8 @@ class Runner:
                 n_logits += q
             t += q
             qsl[b + 1] = t
-        if pad:  # padding rows: q_pad tokens each at positions 0.., in the scratch block and slot
-            scratch_slot = self.ssm.scratch_slot if self.ssm is not None else -1
-            for b in range(B, Bp):
-                ids[t:t + q_pad] = 0
-                pos[t:t + q_pad] = np.arange(q_pad)
-                slots[t:t + q_pad] = kv.scratch_block * bs + np.arange(q_pad)
-                tseq[t:t + q_pad] = b
-                tq[t:t + q_pad] = np.arange(q_pad)
-                tab[b, 0] = kv.scratch_block
-                ctx[b] = q_pad
-                sslot[b] = scratch_slot
-                if static:  # a static batch computes every row's logits
-                    lidx[t:t + q_pad] = np.arange(t, t + q_pad)
-                t += q_pad
-                qsl[b + 1] = t
+        if pad:
+            self._pad_rows(B, Bp, t, q_pad, static, width)
         if self.device.type != "cpu":  # one host -> device copy of everything the step needs
             inp.dev.copy_(inp.host, non_blocking=True)
 
@@ -234,6 +228,74 @@ class Runner:
         real = batch(B, T, n_logits)
         return (batch(Bp, Tp, Tp if static else n_logits) if pad else real), real
 
+    def _pad_rows(self, b0: int, Bp: int, t: int, q: int, static: bool, width: int) -> None:
+        """Padding rows b0..Bp-1 from flat token t: q tokens each at positions 0.., in the scratch block
+        and slot (written with the step's other rows, in the staging buffer; tables `width` wide)."""
+        inp, kv, bs = self.inputs, self.kv, self.kv.block_size
+        tab = inp.segment(9, Bp * width).reshape(Bp, width)
+        ids, pos, slots, tseq, tq, lidx = (inp.segment(i, t + (Bp - b0) * q) for i in range(6))
+        ctx, sslot, qsl = inp.segment(6, Bp), inp.segment(7, Bp), inp.segment(8, Bp + 1)
+        scratch_slot = self.ssm.scratch_slot if self.ssm is not None else -1
+        for b in range(b0, Bp):
+            ids[t:t + q] = 0
+            pos[t:t + q] = np.arange(q)
+            slots[t:t + q] = kv.scratch_block * bs + np.arange(q)
+            tseq[t:t + q] = b
+            tq[t:t + q] = np.arange(q)
+            tab[b, 0] = kv.scratch_block
+            ctx[b] = q
+            sslot[b] = scratch_slot
+            if static:  # a static batch computes every row's logits
+                lidx[t:t + q] = np.arange(t, t + q)
+            t += q
+            qsl[b + 1] = t
+
+    @torch.inference_mode()
+    def capture(self, num_rows: int, q: int, width: int, rebuild=None) -> bool:
+        """Captures the static step graph of (num_rows bucket, q tokens per row, context width) on a
+        batch of padding rows only (they read and write only the scratch block and slot), so that no
+        request pays for the capture. False when there are no graphs or it is captured already."""
+        Bp = bucket_size(num_rows)
+        key = ("step", Bp, q, width, rebuild is not None)
+        if not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q):
+            return False
+        inp = self.inputs
+        inp.ensure(Bp * q, Bp, inp.max_blocks)
+        inp.segment(9, Bp * inp.max_blocks)[:] = 0
+        inp.segment(8, 1)[0] = 0
+        self._pad_rows(0, Bp, 0, q, True, inp.max_blocks)
+        if self.device.type != "cpu":
+            inp.dev.copy_(inp.host, non_blocking=True)
+        seg = lambda i, n: inp.segment(i, n, host=False)  # noqa: E731
+        T = Bp * q
+        batch = ForwardBatch(
+            input_ids=seg(0, T), positions=seg(1, T), seq_ids=[-1] * Bp, query_start_loc=seg(8, Bp + 1),
+            context_lens=seg(6, Bp), block_tables=seg(9, Bp * inp.max_blocks).view(Bp, inp.max_blocks),
+            slot_mapping=seg(2, T), ssm_slots=seg(7, Bp), logits_indices=seg(5, T), query_lens=[q] * Bp,
+            is_prefill=[False] * Bp, token_seq=seg(3, T), token_qidx=seg(4, T), max_query_len=q,
+            max_context_len=width, ssm_slot_list=inp.segment(7, Bp).tolist(), num_pad=Bp, static=True)
+        self._static_step(batch, rebuild)
+        torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
+        return True
+
+    def _static_step(self, batch: ForwardBatch, rebuild) -> tuple:
+        """The graph of a static batch (captured on its shape's first call): forward, logits, argmax
+        and, given, the rebuild; -> (hidden, logits, best, draft_out, staged) of the padded batch."""
+        if self.inputs.generation != self._generation:  # the buffers were reallocated
+            self.graphs.clear()
+            self._generation = self.inputs.generation
+
+        def step():
+            batch.__dict__.pop("_attn_meta", None)  # built inside the graph, from the static buffers
+            batch.staged = []
+            hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
+            logits = self.model.logits(hidden).float()
+            best = logits.argmax(-1)
+            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), batch.staged
+
+        key = ("step", batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild is not None)
+        return self.graphs.run(key, step)
+
     @torch.inference_mode()
     def run(
         self,
@@ -254,20 +316,7 @@ class Runner:
         Bp, q = batch.num_seqs, batch.max_query_len
         if fill_rows is not None:
             batch.input_ids.view(Bp, q)[:, 1:].copy_(fill_rows)
-        if self.inputs.generation != self._generation:  # the buffers were reallocated
-            self.graphs.clear()
-            self._generation = self.inputs.generation
-
-        def step():
-            batch.__dict__.pop("_attn_meta", None)  # built inside the graph, from the static buffers
-            batch.staged = []
-            hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
-            logits = self.model.logits(hidden).float()
-            best = logits.argmax(-1)
-            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), batch.staged
-
-        key = ("step", Bp, q, batch.max_context_len, rebuild is not None)
-        hidden, logits, best, draft_out, staged = self.graphs.run(key, step)
+        hidden, logits, best, draft_out, staged = self._static_step(batch, rebuild)
         if staged:  # the Mamba states of each token, committed after acceptance (real rows only)
             slots = [r[3] for r in rows]
             B = len(rows)
