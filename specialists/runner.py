@@ -291,7 +291,11 @@ class Runner:
             hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
             logits = self.model.logits(hidden).float()
             best = logits.argmax(-1)
-            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), batch.staged
+            staged = None
+            if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
+                staged = (torch.stack([c for _, c, _ in batch.staged], dim=2),
+                          torch.stack([s for _, _, s in batch.staged], dim=2))
+            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), staged
 
         key = ("step", batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild is not None)
         return self.graphs.run(key, step)
@@ -317,10 +321,8 @@ class Runner:
         if fill_rows is not None:
             batch.input_ids.view(Bp, q)[:, 1:].copy_(fill_rows)
         hidden, logits, best, draft_out, staged = self._static_step(batch, rebuild)
-        if staged:  # the Mamba states of each token, committed after acceptance (real rows only)
-            slots = [r[3] for r in rows]
+        if staged is not None:  # the Mamba states of each token, committed after acceptance (real rows only)
             B = len(rows)
-            for layer, convs, states in staged:
-                self.ssm.stage(layer, slots, convs[:B], states[:B] if isinstance(states, torch.Tensor) else states.rows(B))
+            self.ssm.stage_all([r[3] for r in rows], staged[0][:B], staged[1][:B])
         T = real.num_tokens
         return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out)

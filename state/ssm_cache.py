@@ -66,6 +66,9 @@ class SSMCacheConfig:
     device: str = "cpu"
 
 
+_ALL = -1  # the staging key of stage_all: every layer at once
+
+
 class NoFreeSlotsError(RuntimeError):
     """Every slot is owned by a sequence."""
 
@@ -178,11 +181,32 @@ class SSMCache:
             q = ssm_states.q
         if conv_states.shape[1] != q or q < 1:
             raise ValueError("conv_states and ssm_states disagree on q (or q == 0)")
-        if layer in self._staged:
+        if layer in self._staged or _ALL in self._staged:
             raise RuntimeError(f"layer {layer} already has staged states; commit first")
         self._staged[layer] = (idx, conv_states, ssm_states)
 
+    def stage_all(self, slots, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
+        """`stage` for every Mamba layer at once, from per-token states stacked over the layers:
+        conv_states [B, q, num_layers, conv_dim, K-1], ssm_states [B, q, num_layers, H, P, N] (a static
+        batch's, specialists/runner.py). `commit` then writes all layers of a slot in one copy."""
+        idx = self._slots(slots)
+        c = self.config
+        B = idx.numel()
+        want_conv = (B, c.num_layers, c.conv_dim, c.d_conv - 1)
+        want_ssm = (B, c.num_layers, c.num_heads, c.head_dim, c.d_state)
+        if conv_states.dim() != 5 or tuple(conv_states.shape[:1]) + tuple(conv_states.shape[2:]) != want_conv:
+            raise ValueError(f"conv_states {tuple(conv_states.shape)} != [{B}, q, {', '.join(map(str, want_conv[1:]))}]")
+        if ssm_states.dim() != 6 or tuple(ssm_states.shape[:1]) + tuple(ssm_states.shape[2:]) != want_ssm:
+            raise ValueError(f"ssm_states {tuple(ssm_states.shape)} != [{B}, q, {', '.join(map(str, want_ssm[1:]))}]")
+        if conv_states.shape[1] != ssm_states.shape[1] or conv_states.shape[1] < 1:
+            raise ValueError("conv_states and ssm_states disagree on q (or q == 0)")
+        if self._staged:
+            raise RuntimeError("layers already have staged states; commit first")
+        self._staged[_ALL] = (idx, conv_states, ssm_states)
+
     def staged_layers(self) -> list[int]:
+        if _ALL in self._staged:
+            return list(range(self.config.num_layers))
         return sorted(self._staged)
 
     def commit(self, slots, num_accepted) -> None:
@@ -213,6 +237,8 @@ class SSMCache:
         for layer, rows, convs, ssms in plans:
             if not rows:
                 continue
+            if layer == _ALL:  # every layer of a slot in one copy
+                layer = slice(None)
             if len(rows) == 1:  # one sequence: plain indexing, no index tensors
                 r, p, d = rows[0], pos[0], dst[0]
                 self.conv[d, layer] = convs[r, p]

@@ -76,11 +76,13 @@ class BambaModel(DecoderBase):
 
     def _mamba_static(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
         """A static batch (rows of q tokens each, CUDA graphs): states read through the device slot
-        tensor, nothing written; the per-token states (a verify: their factors) go to batch.staged."""
+        tensor, nothing written; the per-token states go to batch.staged (the runner stacks them over
+        the layers, and the commit copies one token's states of every layer in one go). On a GPU
+        the q states cost little next to the commit's ops that building one from factors takes."""
         B, q = batch.num_seqs, batch.max_query_len
         conv = ssm.conv[:, layer].index_select(0, batch.ssm_slots)
         state = ssm.ssm[:, layer].index_select(0, batch.ssm_slots)
-        y, convs, states = (mamba2_multi_step if q == 1 else mamba2_verify)(p, x.view(B, q, -1), conv, state)
+        y, convs, states = mamba2_multi_step(p, x.view(B, q, -1), conv, state)
         batch.staged.append((layer, convs, states))
         return y.reshape(B * q, -1)
 
