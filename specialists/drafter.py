@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from specialists.graphs import GraphCache, graphs_allowed
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
-from specialists.ops.attention import paged_attention, workspace, write_kv
+from specialists.ops.attention import grouped_attention, paged_attention, workspace, write_kv
 from specialists.ops.linear import proposal_linear
 
 
@@ -239,6 +239,9 @@ class PagedDrafter:
         span = torch.arange(width + k - 1, device=dev)[None, :]
         # [B, 1, 1, S]: context + tail; one sequence at its own width sees every slot, so it needs none
         mask = ((span < c[:, None]) | (span >= width))[:, None, None, :] if masked else None
+        bias = None
+        if masked and dev.type == "cuda":  # additive, for grouped_attention: fewer kernels than SDPA's math path
+            bias = torch.zeros(mask.shape, dtype=keys.dtype, device=dev).masked_fill_(~mask, float("-inf"))[:, 0]
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         for depth in range(2, k + 1):
             x = self._fuse(prev, drafts[-1])  # [B, d]
@@ -246,12 +249,15 @@ class PagedDrafter:
             n = width + depth - 1
             keys[:, n - 1] = kk
             values[:, n - 1] = vv
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :],  # [B, H, 1, hd]
-                keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
-                attn_mask=None if mask is None else mask[..., :n], scale=self.scale, enable_gqa=groups > 1,
-            )  # [B, H, 1, hd]
-            prev = self._finish(x, o[:, :, 0, :])
+            if bias is not None:
+                o = grouped_attention(q[:, None], keys[:, :n], values[:, :n], bias[..., :n], self.scale)[:, 0]
+            else:
+                o = F.scaled_dot_product_attention(
+                    q[:, :, None, :],  # [B, H, 1, hd]
+                    keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
+                    attn_mask=None if mask is None else mask[..., :n], scale=self.scale, enable_gqa=groups > 1,
+                )[:, :, 0, :]  # [B, H, hd]
+            prev = self._finish(x, o)
             token, conf = self._argmax(prev)
             drafts.append(token)
             if self._stop(conf, depth - 1, counts, alive):

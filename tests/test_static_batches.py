@@ -99,3 +99,21 @@ def test_static_sampled_speculation_is_seeded(domain: str) -> None:
         runs.append([o.token_ids for o in outs])
         assert all(len(t) == 20 for t in runs[-1])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("M,G", [(1, 2), (4, 2), (5, 1)])
+def test_grouped_attention_matches_sdpa(M: int, G: int) -> None:
+    """The static batches' (and the CUDA chain's) attention: two batched products over grouped heads,
+    against SDPA with enable_gqa, under a causal mask given as an additive bias."""
+    from specialists.ops.attention import grouped_attention
+
+    torch.manual_seed(M * 10 + G)
+    B, hkv, d, N = 3, 2, 16, 37
+    q, k, v = torch.randn(B, M, hkv * G, d), torch.randn(B, N, hkv, d), torch.randn(B, N, hkv, d)
+    pos = torch.tensor([N - M, 20, 9])[:, None] + torch.arange(M)  # [B, M] the queries' positions
+    mask = torch.arange(N)[None, None, :] <= pos[..., None]  # [B, M, N]
+    bias = torch.zeros(B, M, N).masked_fill(~mask, float("-inf"))
+    got = grouped_attention(q, k, v, bias, d ** -0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=G > 1).transpose(1, 2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 
-__all__ = ["write_kv", "paged_attention", "paged_attention_torch", "workspace"]
+__all__ = ["write_kv", "paged_attention", "paged_attention_torch", "grouped_attention", "workspace"]
 
 
 def write_kv(
@@ -65,6 +65,10 @@ def paged_attention_torch(
             v.masked_fill_(invalid, 0)
     k, v = k.to(q.dtype), v.to(q.dtype)
 
+    if batch.static:  # rows of one length (a CUDA graph's batch): two batched products, few kernels
+        bias = _static_bias(batch, mask, q.dtype)
+        return grouped_attention(q.view(B, max_q, hq, d), k, v, bias, d ** -0.5 if scale is None else scale).view(T, hq, d)
+
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
     if max_q == 1:  # decode: one token per sequence, in sequence order
         qp = q[:, None]
@@ -87,6 +91,38 @@ def paged_attention_torch(
     if B == 1 or batch.static:
         return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [B, M, H_q, D]
+    k: torch.Tensor,  # [B, N, H_kv, D]
+    v: torch.Tensor,  # [B, N, H_kv, D]
+    bias: torch.Tensor,  # [B, M, N] additive: 0 where a query sees a key, -inf elsewhere
+    scale: float,
+) -> torch.Tensor:  # [B, M, H_q, D]
+    """Softmax attention with grouped-query heads as two batched products: the H_q / H_kv query
+    heads of a KV head (and the M queries) are the rows of one product with that head's keys.
+    SDPA with enable_gqa takes its math path at these sizes on CUDA (fp32 with a mask): about 15
+    small kernels per call against 7 here, which is what a CUDA graph of tiny kernels pays for."""
+    B, M, hq, d = q.shape
+    N, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = torch.empty(B, hkv, M, g, d, dtype=q.dtype, device=q.device)
+    torch.mul(q.view(B, M, hkv, g, d).permute(0, 2, 1, 3, 4), scale, out=qg)  # [B, H_kv, M, G, D], scaled
+    s = torch.matmul(qg.view(B, hkv, M * g, d), k.permute(0, 2, 3, 1))  # [B, H_kv, M*G, N]
+    p = (s.view(B, hkv, M, g, N) + bias[:, None, :, None, :]).softmax(-1)
+    o = torch.matmul(p.view(B, hkv, M * g, N), v.transpose(1, 2))  # [B, H_kv, M*G, D]
+    return o.view(B, hkv, M, g, d).permute(0, 2, 1, 3, 4).reshape(B, M, hq, d)
+
+
+def _static_bias(batch: ForwardBatch, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form [B, max_q, max_ctx] of a static batch's causal mask, built once per batch."""
+    cache = batch.__dict__["_attn_meta"]
+    key = ("bias", dtype)
+    if key not in cache:
+        m = mask[:, 0]
+        cache[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+    return cache[key]
 
 
 _LOCAL = threading.local()  # per thread: engines in one process may step in different threads
