@@ -14,6 +14,10 @@ Step protocol:
               ... accept / reject ...
               cache.commit(slots, num_accepted)           # once, after all layers
 
+A static batch (a CUDA graph's, specialists/runner.py) stages every layer at once with
+``stage_all(slots, convs [B, q, L, ...], ssms [B, q, L, ...])``, the per-token states stacked over
+the layers, so that its commit is one copy per slot for all layers; its forward writes nothing.
+
 ``commit`` writes, for every staged layer, the state after exactly ``num_accepted[b]`` of the q
 tokens into slot b; ``num_accepted[b] == 0`` leaves the slot as it was (never indexes position
 -1: DESIGN lesson 10) and ``num_accepted[b] > q`` is an error. The slot never holds a state
