@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from spec.acceptance import TypicalParams, accept
 
@@ -133,12 +134,7 @@ class Speculator:
             packed = tokens
         else:
             target = res.logits.view(B, kmax + 1, -1) if lidx is None else res.logits[lidx]  # [B, kmax+1, V]
-            num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=dev)
-            no_drafts = torch.zeros(B, kmax, dtype=torch.int64, device=dev)
-            result = accept(target, no_drafts if draft_tokens is None else draft_tokens, num_drafts, params,
-                            [method] * B, [r.seq.generator for r in rows], typical=typical)
-            tokens = result.tokens
-            packed = torch.cat([result.num_accepted[:, None], tokens], dim=1)
+            tokens, packed = self._accept(rows, target, draft_tokens, method, typical)
 
         if rebuild and self.drafter is not None:
             self._rebuild(rows, res, tokens, kmax)
@@ -171,12 +167,8 @@ class Speculator:
             tokens = res.best.view(B, q)
             packed = tokens
         else:
-            no_drafts = torch.zeros(B, k, dtype=torch.int64, device=self.device)
-            num_drafts = torch.full((B,), k, dtype=torch.int64, device=self.device)
-            result = accept(res.logits.view(B, q, -1), no_drafts if drafts is None else drafts[:B], num_drafts, params,
-                            [method] * B, [r.seq.generator for r in rows], typical=typical)
-            tokens = result.tokens
-            packed = torch.cat([result.num_accepted[:, None], tokens], dim=1)
+            tokens, packed = self._accept(rows, res.logits.view(B, q, -1), None if drafts is None else drafts[:B],
+                                          method, typical)
         if in_graph:
             self._draft_out = res.draft_out
         elif rebuild and self.drafter is not None:
@@ -186,6 +178,34 @@ class Speculator:
         host = packed.tolist()  # the one host sync of the step
         runs, dlist = self._runs(rows, host, greedy, k, drafts is not None)
         return rows, StepOutput(runs, t_verify - t_draft, time.perf_counter() - t_verify, dlist)
+
+    def _accept(self, rows: list[Row], target: torch.Tensor, drafts: torch.Tensor | None, method: str,
+                typical: TypicalParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled rows: target [B, kmax+1, V], drafts [B, kmax] (None: no row drafted) -> (tokens
+        [B, kmax+1], the step's packed output [B, 1 + kmax+1] with each row's kept count first)."""
+        B, kmax = target.shape[0], target.shape[1] - 1
+        num_drafts = torch.tensor([r.k for r in rows], dtype=torch.int64, device=self.device)
+        if drafts is None:
+            drafts = torch.zeros(B, kmax, dtype=torch.int64, device=self.device)
+        result = accept(target, drafts, num_drafts, [r.seq.params for r in rows], [method] * B,
+                        [r.seq.generator for r in rows], typical=typical)
+        return result.tokens, torch.cat([result.num_accepted[:, None], result.tokens], dim=1)
+
+    def capture_graphs(self, k: int, rebuild: bool, max_rows: int, progress: bool = False) -> int:
+        """Captures the graphs `_execute_static` replays, for every batch bucket up to max_rows and
+        every context width: the 1-token decode always, the (k+1)-token verify and the chain when k > 0,
+        with the drafter's rebuild when `rebuild`. Returns how many were captured (0 without graphs)."""
+        if not self.runner.graphs.enabled:
+            return 0
+        post = self.drafter.rebuild if rebuild and self.drafter is not None else None
+        shapes = [(b, w) for b in self.runner.graph_buckets(max_rows) for w in self.runner.context_widths()]
+        n = 0
+        for b, w in tqdm(shapes, desc="CUDA graphs", unit="shape", disable=not progress):
+            n += self.runner.capture(b, 1, w, post)
+            if k:
+                n += self.runner.capture(b, 1 + k, w, post)
+                n += self.drafter.capture_chain(b, k, w, self.kv.scratch_block)
+        return n
 
     @staticmethod
     def _runs(rows: list[Row], host: list[list[int]], greedy: bool, kmax: int, drafted: bool):

@@ -208,7 +208,7 @@ class PagedDrafter:
     def capture_chain(self, num_rows: int, k: int, width: int, scratch_block: int) -> bool:
         """Captures chain_static's graph for (num_rows, k, width) on padding rows (context 0, the
         scratch block); False when there are no graphs or it is captured already."""
-        if not self.graphs.enabled or (num_rows, k, width) in self._static and self.graphs.has((num_rows, k, width)):
+        if not self.graphs.enabled or self.graphs.has((num_rows, k, width)):
             return False
         source = torch.zeros(1, self.cfg.hidden_size, dtype=self.k.dtype, device=self.k.device)
         self.chain_static(source, [0], [0], [[scratch_block]], k, num_rows, width)

@@ -34,7 +34,7 @@ from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
 from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, load_drafter
-from specialists.runner import Runner, bucket_size
+from specialists.runner import Runner
 from specialists.sampling import SamplingParams
 from specialists.scheduler import Scheduler, Sequence, Status
 from state.kv_cache import KVCache
@@ -189,25 +189,13 @@ class Engine:
         self.ready = True
 
     def capture_graphs(self, max_rows: int | None = None, progress: bool = False) -> int:
-        """Captures the CUDA graphs of the policy in force for every batch bucket up to max_rows
-        (default max_num_seqs) and every context width: the (K+1)-token verify with the drafter's
-        rebuild and the chain when speculating, the 1-token decode always. Later shapes (a policy
-        switched to another K) are captured on first use. Returns how many were captured (0 on CPU)."""
-        if not self.runner.graphs.enabled:
-            return 0
+        """Captures the CUDA graphs of the policy in force (every batch bucket up to max_rows, default
+        max_num_seqs, and every context width); other shapes, e.g. after a switch to another K, are
+        captured on first use. Returns how many were captured (0 on CPU)."""
         policy = self.gate.policy
         spec = self.drafter is not None and policy.mode != "off"
-        k = policy.num_speculative_tokens if spec else 0
-        rebuild = self.drafter.rebuild if spec else None
-        rows = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= bucket_size(max_rows or self.cfg.max_num_seqs)]
-        shapes = [(b, w) for b in rows for w in self.runner.context_widths()]
-        n = 0
-        for b, w in tqdm(shapes, desc="CUDA graphs", unit="shape", disable=not progress):
-            n += self.runner.capture(b, 1, w, rebuild)
-            if spec:
-                n += self.runner.capture(b, 1 + k, w, rebuild)
-                n += self.drafter.capture_chain(b, k, w, self.kv.scratch_block)
-        return n
+        return self.speculator.capture_graphs(policy.num_speculative_tokens if spec else 0, spec,
+                                              max_rows or self.cfg.max_num_seqs, progress)
 
     def metrics(self) -> dict:
         return {**self.stats, **self.totals.as_dict(), "gate": self.gate.snapshot()}

@@ -65,6 +65,11 @@ def context_width(n: int, cap: int) -> int:
     return min(w, cap)
 
 
+def _step_key(rows: int, q: int, width: int, rebuild) -> tuple:
+    """The graph key of a static step: its shape, and whether the drafter's rebuild is in it."""
+    return ("step", rows, q, width, rebuild is not None)
+
+
 @dataclass
 class StepResult:
     logits: torch.Tensor  # [n, V] float32, rows at batch.logits_indices (prefill: last token; decode: all)
@@ -117,7 +122,8 @@ class Runner:
         self.kv = kv
         self.ssm = ssm
         self.device = torch.device(device)
-        static = graphs_allowed(self.device, cuda_graphs) or static_batches or os.environ.get("CANTATA_STATIC_BATCHES") == "1"
+        graphs = graphs_allowed(self.device, cuda_graphs)
+        static = graphs or static_batches or os.environ.get("CANTATA_STATIC_BATCHES") == "1"
         self.pad_batches = (self.device.type == "cuda" or static) if pad_batches is None else pad_batches
         # block tables wide enough for max_model_len (+ a verify's lookahead): static batches use the full width
         blocks = -(-max_model_len // kv.block_size) + 2
@@ -125,7 +131,7 @@ class Runner:
                                    max_seqs=max(16, bucket_size(max_num_seqs)), max_blocks=max(64, blocks))
         # static batches are padded ones: pad_batches=False turns them (and the graphs) off
         self.static = static and self.pad_batches
-        self.graphs = GraphCache(graphs_allowed(self.device, cuda_graphs) and self.static)
+        self.graphs = GraphCache(graphs and self.static)
         self._generation = self.inputs.generation
         self.padded_steps = 0  # steps that ran with padding rows (for tests and metrics)
         self.static_steps = 0  # steps that ran as static batches (graphs on CUDA)
@@ -140,6 +146,10 @@ class Runner:
         while out[-1] < self.max_context_width:
             out.append(context_width(out[-1] + 1, self.max_context_width))
         return out
+
+    def graph_buckets(self, max_rows: int) -> list[int]:
+        """The batch buckets a static batch of at most max_rows rows can have."""
+        return [b for b in BUCKETS if b <= min(bucket_size(max_rows), MAX_GRAPH_BATCH)]
 
     def static_shape(self, num_rows: int, max_context: int) -> tuple[int, int]:
         """(padded rows, attention width) of a static batch of num_rows rows, the longest context max_context."""
@@ -214,19 +224,26 @@ class Runner:
             self.static_steps += 1
 
         def batch(nb: int, nt: int, nl: int) -> ForwardBatch:
-            seg = lambda i, n: inp.segment(i, n, host=False)  # noqa: E731
-            return ForwardBatch(
-                input_ids=seg(0, nt), positions=seg(1, nt), seq_ids=[r[0] for r in rows] + [-1] * (nb - B),
-                query_start_loc=seg(8, nb + 1), context_lens=seg(6, nb),
-                block_tables=seg(9, Bp * width).view(Bp, width)[:nb], slot_mapping=seg(2, nt),
-                ssm_slots=seg(7, nb), logits_indices=seg(5, nl), query_lens=(qlens + [q_pad] * (nb - B)),
-                is_prefill=[r[2] for r in rows] + [False] * (nb - B), token_seq=seg(3, nt), token_qidx=seg(4, nt),
-                max_query_len=max(qlens), max_context_len=max_ctx if static else int(ctx[:nb].max()),
-                ssm_slot_list=sslot[:nb].tolist(), num_pad=nb - B, static=static,
-            )
+            return self._views(nb, nt, nl, Bp, width, [r[0] for r in rows] + [-1] * (nb - B),
+                               qlens + [q_pad] * (nb - B), [r[2] for r in rows] + [False] * (nb - B),
+                               max_ctx if static else int(ctx[:nb].max()), static, nb - B)
 
         real = batch(B, T, n_logits)
         return (batch(Bp, Tp, Tp if static else n_logits) if pad else real), real
+
+    def _views(self, nb: int, nt: int, nl: int, Bp: int, width: int, seq_ids: list[int], qlens: list[int],
+               is_prefill: list[bool], max_ctx: int, static: bool, num_pad: int) -> ForwardBatch:
+        """A ForwardBatch of the first nb rows / nt tokens / nl logits rows (the last num_pad of them
+        padding), as views of the device buffers (block tables laid out [Bp, width])."""
+        inp = self.inputs
+        seg = lambda i, n: inp.segment(i, n, host=False)  # noqa: E731
+        return ForwardBatch(
+            input_ids=seg(0, nt), positions=seg(1, nt), seq_ids=seq_ids, query_start_loc=seg(8, nb + 1),
+            context_lens=seg(6, nb), block_tables=seg(9, Bp * width).view(Bp, width)[:nb], slot_mapping=seg(2, nt),
+            ssm_slots=seg(7, nb), logits_indices=seg(5, nl), query_lens=qlens, is_prefill=is_prefill,
+            token_seq=seg(3, nt), token_qidx=seg(4, nt), max_query_len=max(qlens), max_context_len=max_ctx,
+            ssm_slot_list=inp.segment(7, nb).tolist(), num_pad=num_pad, static=static,
+        )
 
     def _pad_rows(self, b0: int, Bp: int, t: int, q: int, static: bool, width: int) -> None:
         """Padding rows b0..Bp-1 from flat token t: q tokens each at positions 0.., in the scratch block
@@ -256,8 +273,7 @@ class Runner:
         batch of padding rows only (they read and write only the scratch block and slot), so that no
         request pays for the capture. False when there are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
-        key = ("step", Bp, q, width, rebuild is not None)
-        if not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q):
+        if not self.graphs.enabled or self.graphs.has(_step_key(Bp, q, width, rebuild)) or not self.static_batch(Bp, q):
             return False
         inp = self.inputs
         inp.ensure(Bp * q, Bp, inp.max_blocks)
@@ -266,14 +282,8 @@ class Runner:
         self._pad_rows(0, Bp, 0, q, True, inp.max_blocks)
         if self.device.type != "cpu":
             inp.dev.copy_(inp.host, non_blocking=True)
-        seg = lambda i, n: inp.segment(i, n, host=False)  # noqa: E731
         T = Bp * q
-        batch = ForwardBatch(
-            input_ids=seg(0, T), positions=seg(1, T), seq_ids=[-1] * Bp, query_start_loc=seg(8, Bp + 1),
-            context_lens=seg(6, Bp), block_tables=seg(9, Bp * inp.max_blocks).view(Bp, inp.max_blocks),
-            slot_mapping=seg(2, T), ssm_slots=seg(7, Bp), logits_indices=seg(5, T), query_lens=[q] * Bp,
-            is_prefill=[False] * Bp, token_seq=seg(3, T), token_qidx=seg(4, T), max_query_len=q,
-            max_context_len=width, ssm_slot_list=inp.segment(7, Bp).tolist(), num_pad=Bp, static=True)
+        batch = self._views(Bp, T, T, Bp, inp.max_blocks, [-1] * Bp, [q] * Bp, [False] * Bp, width, True, Bp)
         self._static_step(batch, rebuild)
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
         return True
@@ -297,8 +307,7 @@ class Runner:
                           torch.stack([s for _, _, s in batch.staged], dim=2))
             return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), staged
 
-        key = ("step", batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild is not None)
-        return self.graphs.run(key, step)
+        return self.graphs.run(_step_key(batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild), step)
 
     @torch.inference_mode()
     def run(
