@@ -27,6 +27,20 @@ from specialists.ops.attention import grouped_attention, paged_attention, worksp
 from specialists.ops.linear import proposal_linear
 
 
+def _fused_ops(device: torch.device, fused: bool | None):
+    """specialists.ops.fused when the static paths should use it: `fused` True (CPU tensors need
+    TRITON_INTERPRET=1), or None on a CUDA device where Triton imports; else None."""
+    if fused is False or (fused is None and device.type != "cuda"):
+        return None
+    try:
+        from specialists.ops import fused as ops
+    except ImportError:
+        if fused:
+            raise
+        return None
+    return ops
+
+
 class PagedDrafter:
     def __init__(
         self,
@@ -39,6 +53,7 @@ class PagedDrafter:
         min_confidence: float = 0.0,  # stop a chain at the first draft whose probability is below this
         cuda_graphs: bool | None = None,  # chain_static as CUDA graphs (None: on a CUDA device)
         max_positions: int = 4096,  # RoPE positions the tables hold from the start (graphs read them)
+        fused: bool | None = None,  # static chains and rebuilds through Triton kernels (None: on CUDA with Triton)
     ) -> None:
         cfg = drafter.cfg
         self.drafter, self.cfg = drafter, cfg
@@ -58,6 +73,8 @@ class PagedDrafter:
         self.min_confidence = min_confidence
         self.graphs = GraphCache(graphs_allowed(p.device, cuda_graphs))
         self._static: dict[tuple, tuple] = {}  # (rows, k, width) -> the static inputs of chain_static
+        self.scratch_block = num_blocks  # the pool's extra block: padding rows read and write only it
+        self._fused = _fused_ops(p.device, fused)  # specialists.ops.fused, or None
         self._grow(max_positions)
         d = cfg.hidden_size
         blk = drafter.block
@@ -65,7 +82,7 @@ class PagedDrafter:
         # sqrt(d) too, so a norm is x / |x| (3 cheap ops for F.rms_norm's ~9 us; the eps term is
         # dropped, a relative change of ~eps / mean(x^2), ~1e-5, in a proposal); on a GPU the norm
         # stays F.rms_norm without a gain (one fused kernel).
-        self._cpu = p.device.type == "cpu"
+        self._cpu = p.device.type == "cpu" and self._fused is None
         gain = d ** 0.5 if self._cpu else 1.0
         with torch.no_grad():
             def fold(w: torch.Tensor, norm) -> torch.Tensor:
@@ -82,10 +99,12 @@ class PagedDrafter:
             qkv = torch.cat([blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight])
             gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight])
             head = lm_head if vocab is None else lm_head[self.vocab]  # [N, d]
+            # the folded weights (the fused kernels read them as they are)
+            self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.w_hidden, self.w_head = (m.contiguous() for m in (
+                fold(qkv, blk.attn_norm), blk.o_proj.weight.detach(), fold(gate_up, blk.mlp_norm),
+                blk.down_proj.weight.detach(), fold(w[:, :d], drafter.hidden_norm), fold(head, drafter.final_norm)))
             self.mm_qkv, self.mm_o, self.mm_gate_up, self.mm_down, self.mm_hidden, self.mm_head = (
-                proposal_linear(m.contiguous()) for m in (
-                    fold(qkv, blk.attn_norm), blk.o_proj.weight.detach(), fold(gate_up, blk.mlp_norm),
-                    blk.down_proj.weight.detach(), fold(w[:, :d], drafter.hidden_norm), fold(head, drafter.final_norm)))
+                proposal_linear(m) for m in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.w_hidden, self.w_head))
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -140,6 +159,8 @@ class PagedDrafter:
         hidden: torch.Tensor,  # [T, d] the target's final-normed hidden states of every token
         next_tokens: torch.Tensor,  # [T] int64, the token that follows each one (garbage where not kept)
     ) -> torch.Tensor:  # [T, d] entry outputs
+        if self._fused is not None and batch.static:  # rows of one length: a few Triton kernels
+            return self._rebuild_fused(batch, hidden.to(self.k.dtype), next_tokens)
         x = self._fuse(hidden.to(self.k.dtype), next_tokens.clamp(min=0))
         q, k, v = self._qkv(x, batch.positions + 1, batch.max_context_len)
         write_kv(k, v, self.k, self.v, batch.slot_mapping)
@@ -191,10 +212,11 @@ class PagedDrafter:
             st = self._static[key] = (host, host.numpy(), buf, prev)
         host, np_, buf, prev = st
         S = len(rows)
-        np_[:] = 0  # padding rows: context 0 (they see only their own chained entries), block 0
+        np_[:] = 0  # padding rows: context 0 (they see only their own chained entries) in the scratch block
         np_[:S] = committed
         np_[num_rows:num_rows + S] = rows
         tab = np_[2 * num_rows:].reshape(num_rows, nblk)
+        tab[S:, 0] = self.scratch_block
         for i, t in enumerate(tables):
             m = min(len(t), nblk)
             tab[i, :m] = t[:m]
@@ -203,6 +225,8 @@ class PagedDrafter:
         prev[:S] = source.index_select(0, buf[num_rows:num_rows + S]) if S > 1 else source[rows[0]:rows[0] + 1]
         self._grow(width + k)  # outside a capture
         c, flat = buf[:num_rows], buf[2 * num_rows:]
+        if self._fused is not None:
+            return self.graphs.run(key, lambda: self._chain_fused(prev, c, flat.view(num_rows, nblk), k, width))
         return self.graphs.run(key, lambda: self._chain(prev, c, flat, k, width, masked=True)[0])
 
     def capture_chain(self, num_rows: int, k: int, width: int, scratch_block: int) -> bool:
@@ -263,6 +287,44 @@ class PagedDrafter:
             if self._stop(conf, depth - 1, counts, alive):
                 break
         return torch.stack(drafts, dim=1), counts
+
+    # ---- the fused (Triton) static paths ------------------------------------------------------
+
+    def _layer_fused(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of the block after attention: x + o_proj(o), then the SwiGLU MLP with its residual."""
+        f = self._fused
+        x2 = f.rows_linear(o.reshape(x.shape[0], -1), self.w_o, residual=x)
+        h = f.rows_linear(x2, self.w_gate_up, norm_eps=self.eps, silu_mul=True)
+        return f.rows_linear(h, self.w_down, residual=x2)
+
+    def _head_fused(self, out: torch.Tensor) -> torch.Tensor:  # [B, d] -> greedy draft ids [B]
+        best = self._fused.rows_linear(out, self.w_head, norm_eps=self.eps).argmax(-1)
+        return best if self.vocab is None else self.vocab[best]
+
+    def _rebuild_fused(self, batch: ForwardBatch, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """`rebuild` for a static batch (every row max_query_len tokens, padding rows in the scratch block)."""
+        f, cfg = self._fused, self.cfg
+        x = f.rows_linear(hidden, self.w_hidden, norm_eps=self.eps, tokens=next_tokens, table=self.token_proj)
+        q = f.qkv_rope(x, self.w_qkv, self._cs, self.k, self.v, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       self.eps, positions=batch.positions, pos_add=1, slots=batch.slot_mapping)
+        o = f.paged_attention(q, self.k, self.v, batch.block_tables, batch.positions, 1, self.scale,
+                              batch.max_query_len, batch.max_context_len)
+        return self._layer_fused(x, o)
+
+    def _chain_fused(self, prev: torch.Tensor, c: torch.Tensor, tables: torch.Tensor, k: int, width: int) -> torch.Tensor:
+        """chain_static's drafts [B, k] through Triton kernels. Unlike `_chain`, the chained entries
+        go to the pool, at their own indices C + depth - 2: slots the verify reserved and the rebuild
+        overwrites after it (padding rows: the scratch block)."""
+        f, cfg = self._fused, self.cfg
+        drafts = [self._head_fused(prev)]
+        for depth in range(2, k + 1):
+            x = f.rows_linear(prev, self.w_hidden, norm_eps=self.eps, tokens=drafts[-1], table=self.token_proj)
+            q = f.qkv_rope(x, self.w_qkv, self._cs, self.k, self.v, cfg.num_attention_heads, cfg.num_key_value_heads,
+                           self.eps, committed=c, tables=tables, entry_add=depth - 2)
+            o = f.paged_attention(q, self.k, self.v, tables, c, depth - 1, self.scale, 1, width + k)
+            prev = self._layer_fused(x, o)
+            drafts.append(self._head_fused(prev))
+        return torch.stack(drafts, dim=1)
 
     def _stop(self, conf: torch.Tensor | None, j: int, counts: list[int], alive: list[bool]) -> bool:
         """Rows whose draft j is below min_confidence verify j drafts; True when no row is left."""

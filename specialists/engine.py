@@ -79,6 +79,7 @@ class EngineConfig:
     pad_batches: bool | None = None  # pad decode/verify batches to batch-size buckets (None: on CUDA only)
     cuda_graphs: bool | None = None  # decode / verify steps as CUDA graphs (None: on CUDA; CANTATA_CUDA_GRAPHS=0 off)
     static_batches: bool = False  # run the graphs' static batches eagerly where there are no graphs (tests)
+    fused_drafter: bool | None = None  # static chains / rebuilds through Triton kernels (None: on CUDA with Triton)
 
 
 class Engine:
@@ -98,7 +99,7 @@ class Engine:
         if conf is None:  # off: with int8 drafting on CPU a full chain costs less than the drafts it loses
             conf = 0.0
         self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf,
-                                     cfg.cuda_graphs, self.runner.max_context_width + 64)
+                                     cfg.cuda_graphs, self.runner.max_context_width + 64, cfg.fused_drafter)
                         if drafter is not None else None)
         if policy is None:
             policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")
@@ -139,6 +140,7 @@ class Engine:
         pad_batches: bool | None = None,
         cuda_graphs: bool | None = None,
         static_batches: bool = False,
+        fused_drafter: bool | None = None,
     ) -> "Engine":
         """`policy` None: speculation in the default policy when the checkpoint has a drafter, off
         otherwise; asking for speculation without a drafter raises MissingDrafterError.
@@ -149,7 +151,7 @@ class Engine:
         limit = min(model.config.max_position_embeddings, max_model_len or 2048)
         cfg = EngineConfig(max_num_seqs, limit, block_size, num_blocks, enable_prefix_cache,
                            draft_min_confidence=draft_min_confidence, pad_batches=pad_batches,
-                           cuda_graphs=cuda_graphs, static_batches=static_batches)
+                           cuda_graphs=cuda_graphs, static_batches=static_batches, fused_drafter=fused_drafter)
         drafter = None
         if load_mtp and (policy is None or policy.mode != "off"):
             try:

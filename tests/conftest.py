@@ -1,8 +1,15 @@
 """Suite-wide settings: tiny models on 2 shared cores run ~6x faster with one intra-op thread than
 contending for two (measured in tests/test_model_parity.py)."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (specialists/ops/fused.py) run on CPU tensors through Triton's
+# interpreter; it is read when a kernel is defined, so before anything imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,6 +5,7 @@ and `specialists.train draft-vocab` writes the most frequent tokens first."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -56,13 +57,21 @@ def _capture(engine: Engine, prompt: list[int], max_tokens: int = 30) -> list[tu
     return seen
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_paged_drafts_equal_the_dense_reference(static: bool) -> None:
-    """The eager chain (exact context width) and the static one (a CUDA graph's: the context padded to
-    a width bucket and masked on the device) propose what the dense reference proposes."""
-    engine = _engine(draft_vocab_size=0, draft_min_confidence=0.0, pad_batches=static, static_batches=static)
+@pytest.mark.parametrize("static", [False, True, "fused"])
+def test_paged_drafts_equal_the_dense_reference(static) -> None:
+    """The eager chain (exact context width), the static one (a CUDA graph's: the context padded to
+    a width bucket and masked on the device) and the fused static one (Triton kernels, chained
+    entries in the pool; here through Triton's interpreter) propose what the dense reference proposes."""
+    fused = static == "fused"
+    if fused:
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the fused kernels on CPU tensors need TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    engine = _engine(draft_vocab_size=0, draft_min_confidence=0.0, pad_batches=bool(static),
+                     static_batches=bool(static), fused_drafter=fused)
+    assert (engine.drafter._fused is not None) == fused
     seen = _capture(engine, _prompt(engine))
-    assert (engine.runner.static_steps > 0) == static
+    assert (engine.runner.static_steps > 0) == bool(static)
     m, drafter = engine.model, engine.drafter.drafter
     checked = 0
     for ids, drafts, _ in seen:
