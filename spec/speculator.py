@@ -163,18 +163,17 @@ class Speculator:
         in_graph = rebuild and greedy and self.drafter is not None  # the rebuild's next tokens are the argmaxes
         res = self.runner.run([(r.seq.seq_id, r.tokens, False, r.seq.ssm_slot) for r in rows], fill_rows=drafts,
                               rebuild=self.drafter.rebuild if in_graph else None)
-        if greedy:
-            tokens = res.best.view(B, q)
-            packed = tokens
+        if greedy:  # the graph packed the argmaxes with the drafts it was fed
+            tokens, packed = res.best.view(B, q), res.packed
         else:
             tokens, packed = self._accept(rows, res.logits.view(B, q, -1), None if drafts is None else drafts[:B],
                                           method, typical)
+            if drafts is not None:
+                packed = torch.cat([packed, drafts[:B]], dim=1)
         if in_graph:
             self._draft_out = res.draft_out
         elif rebuild and self.drafter is not None:
             self._rebuild(rows, res, tokens, k)
-        if drafts is not None:
-            packed = torch.cat([packed, drafts[:B]], dim=1)
         host = packed.tolist()  # the one host sync of the step
         runs, dlist = self._runs(rows, host, greedy, k, drafts is not None)
         return rows, StepOutput(runs, t_verify - t_draft, time.perf_counter() - t_verify, dlist)

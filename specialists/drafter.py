@@ -41,6 +41,9 @@ def _fused_ops(device: torch.device, fused: bool | None):
     return ops
 
 
+ENTRY_ROWS = 1024  # the most tokens a static batch has (64 rows x 16 tokens)
+
+
 class PagedDrafter:
     def __init__(
         self,
@@ -74,6 +77,9 @@ class PagedDrafter:
         self.graphs = GraphCache(graphs_allowed(p.device, cuda_graphs))
         self._static: dict[tuple, tuple] = {}  # (rows, k, width) -> the static inputs of chain_static
         self.scratch_block = num_blocks  # the pool's extra block: padding rows read and write only it
+        # a static rebuild's entry outputs (its graph writes them here, fused); a static chain reads its
+        # sequences' last entries from here inside its graph (any other source is copied in first)
+        self._entries = torch.zeros(ENTRY_ROWS, cfg.hidden_size, dtype=p.dtype, device=p.device)
         self._fused = _fused_ops(p.device, fused)  # specialists.ops.fused, or None
         self._grow(max_positions)
         d = cfg.hidden_size
@@ -208,13 +214,14 @@ class PagedDrafter:
             dev = self.k.device
             host = torch.zeros(num_rows * (2 + nblk), dtype=torch.int64, pin_memory=dev.type == "cuda")
             buf = host if dev.type == "cpu" else torch.zeros_like(host, device=dev)
-            prev = torch.zeros(num_rows, source.shape[1], dtype=source.dtype, device=dev)
-            st = self._static[key] = (host, host.numpy(), buf, prev)
-        host, np_, buf, prev = st
+            st = self._static[key] = (host, host.numpy(), buf)
+        host, np_, buf = st
         S = len(rows)
+        # the graph reads each sequence's last entry from _entries: a static rebuild left them there
+        in_place = source.data_ptr() == self._entries.data_ptr() and source.dtype == self._entries.dtype
         np_[:] = 0  # padding rows: context 0 (they see only their own chained entries) in the scratch block
         np_[:S] = committed
-        np_[num_rows:num_rows + S] = rows
+        np_[num_rows:num_rows + S] = rows if in_place else range(S)
         tab = np_[2 * num_rows:].reshape(num_rows, nblk)
         tab[S:, 0] = self.scratch_block
         for i, t in enumerate(tables):
@@ -222,12 +229,14 @@ class PagedDrafter:
             tab[i, :m] = t[:m]
         if buf is not host:
             buf.copy_(host, non_blocking=True)
-        prev[:S] = source.index_select(0, buf[num_rows:num_rows + S]) if S > 1 else source[rows[0]:rows[0] + 1]
+        if not in_place:  # an eager rebuild's (a prefill step's) outputs
+            self._entries[:S].copy_(source[torch.tensor(rows, device=source.device)])
         self._grow(width + k)  # outside a capture
-        c, flat = buf[:num_rows], buf[2 * num_rows:]
+        c, idx, flat = buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:]
         if self._fused is not None:
-            return self.graphs.run(key, lambda: self._chain_fused(prev, c, flat.view(num_rows, nblk), k, width))
-        return self.graphs.run(key, lambda: self._chain(prev, c, flat, k, width, masked=True)[0])
+            return self.graphs.run(key, lambda: self._chain_fused(self._entries.index_select(0, idx), c,
+                                                                  flat.view(num_rows, nblk), k, width))
+        return self.graphs.run(key, lambda: self._chain(self._entries.index_select(0, idx), c, flat, k, width, masked=True)[0])
 
     def capture_chain(self, num_rows: int, k: int, width: int, scratch_block: int) -> bool:
         """Captures chain_static's graph for (num_rows, k, width) on padding rows (context 0, the
@@ -290,12 +299,12 @@ class PagedDrafter:
 
     # ---- the fused (Triton) static paths ------------------------------------------------------
 
-    def _layer_fused(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def _layer_fused(self, x: torch.Tensor, o: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the block after attention: x + o_proj(o), then the SwiGLU MLP with its residual."""
         f = self._fused
         x2 = f.rows_linear(o.reshape(x.shape[0], -1), self.w_o, residual=x)
         h = f.rows_linear(x2, self.w_gate_up, norm_eps=self.eps, silu_mul=True)
-        return f.rows_linear(h, self.w_down, residual=x2)
+        return f.rows_linear(h, self.w_down, residual=x2, out=out)
 
     def _head_fused(self, out: torch.Tensor) -> torch.Tensor:  # [B, d] -> greedy draft ids [B]
         best = self._fused.rows_linear(out, self.w_head, norm_eps=self.eps).argmax(-1)
@@ -309,7 +318,8 @@ class PagedDrafter:
                        self.eps, positions=batch.positions, pos_add=1, slots=batch.slot_mapping)
         o = f.paged_attention(q, self.k, self.v, batch.block_tables, batch.positions, 1, self.scale,
                               batch.max_query_len, batch.max_context_len)
-        return self._layer_fused(x, o)
+        T = x.shape[0]
+        return self._layer_fused(x, o, out=self._entries[:T] if T <= ENTRY_ROWS else None)
 
     def _chain_fused(self, prev: torch.Tensor, c: torch.Tensor, tables: torch.Tensor, k: int, width: int) -> torch.Tensor:
         """chain_static's drafts [B, k] through Triton kernels. Unlike `_chain`, the chained entries

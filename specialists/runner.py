@@ -77,6 +77,7 @@ class StepResult:
     batch: ForwardBatch  # the real rows (views into the runner's static buffers: valid until the next step)
     best: torch.Tensor | None = None  # [n] argmax of each logits row (static batches)
     draft_out: torch.Tensor | None = None  # [Tp, d] the drafter's rebuilt entries (static batch, rebuild given)
+    packed: torch.Tensor | None = None  # [B, 2q - 1] each row's argmaxes, then its fed drafts (static batch)
 
 
 class StaticInputs:
@@ -290,7 +291,7 @@ class Runner:
 
     def _static_step(self, batch: ForwardBatch, rebuild) -> tuple:
         """The graph of a static batch (captured on its shape's first call): forward, logits, argmax
-        and, given, the rebuild; -> (hidden, logits, best, draft_out, staged) of the padded batch."""
+        and, given, the rebuild; -> (hidden, logits, best, draft_out, staged, packed) of the padded batch."""
         if self.inputs.generation != self._generation:  # the buffers were reallocated
             self.graphs.clear()
             self._generation = self.inputs.generation
@@ -305,7 +306,10 @@ class Runner:
             if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
                 staged = (torch.stack([c for _, c, _ in batch.staged], dim=2),
                           torch.stack([s for _, _, s in batch.staged], dim=2))
-            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), staged
+            # argmaxes and the fed drafts side by side: the step's one device -> host copy (greedy rows)
+            rows = batch.input_ids.view(batch.num_seqs, -1)
+            packed = torch.cat([best.view(rows.shape), rows[:, 1:]], dim=1)
+            return hidden, logits, best, (None if rebuild is None else rebuild(batch, hidden, best)), staged, packed
 
         return self.graphs.run(_step_key(batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild), step)
 
@@ -329,9 +333,9 @@ class Runner:
         Bp, q = batch.num_seqs, batch.max_query_len
         if fill_rows is not None:
             batch.input_ids.view(Bp, q)[:, 1:].copy_(fill_rows)
-        hidden, logits, best, draft_out, staged = self._static_step(batch, rebuild)
+        hidden, logits, best, draft_out, staged, packed = self._static_step(batch, rebuild)
         if staged is not None:  # the Mamba states of each token, committed after acceptance (real rows only)
             B = len(rows)
             self.ssm.stage_all([r[3] for r in rows], staged[0][:B], staged[1][:B])
         T = real.num_tokens
-        return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out)
+        return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out, packed[:len(rows)])
