@@ -12,7 +12,9 @@ of a target decode. Here each product carries its neighbours:
 
 Products accumulate in fp32.
 
-Used by specialists/drafter.py for the chain and the rebuild of static batches (CUDA graphs); the
+Every kernel is compiled per weight shape and context width only (row counts, chain depths and
+tokens per row are not specialized on), so a step of a new length (the last, shorter chains of a
+request near max_tokens) replays or captures without compiling. Used by specialists/drafter.py for the chain and the rebuild of static batches (CUDA graphs); the
 eager and CPU paths keep the torch ops. With TRITON_INTERPRET=1 (set before this module is imported)
 the kernels run on CPU tensors through Triton's interpreter, which is how CI tests them.
 """
@@ -30,7 +32,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for any row count
 def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, tok_ptr, tab_ptr, M, N, K: tl.constexpr,
                         stride_x, stride_w, stride_out, stride_res, stride_tab, eps,
                         NORM: tl.constexpr, RES: tl.constexpr, GATHER: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -93,7 +95,7 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, *, norm_eps: float | None = No
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "pos_add", "entry_add"])
 def _qkv_rope_kernel(x_ptr, w_ptr, q_ptr, kp_ptr, vp_ptr, cs_ptr, pos_ptr, slot_ptr, tab_ptr,
                      M, K: tl.constexpr, stride_x, stride_w, stride_tab, pos_add, entry_add, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
@@ -162,33 +164,32 @@ def qkv_rope(x: torch.Tensor, w: torch.Tensor, cs: torch.Tensor, k_pool: torch.T
     return q
 
 
-@triton.jit
-def _paged_attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, lim_ptr, o_ptr, stride_tab, lim_add, scale,
-                            QM: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
-                            BS: tl.constexpr, MAX_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
-    b = tl.program_id(0)
+@triton.jit(do_not_specialize=["tokens_per_row", "lim_add"])
+def _paged_attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, lim_ptr, o_ptr, stride_tab, tokens_per_row, lim_add, scale,
+                            G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                            MAX_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)  # one query token: its G query heads of kv head h
     h = tl.program_id(1)
+    b = t // tokens_per_row
     r = tl.arange(0, BLOCK_Q)
-    rv = r < QM * G
-    tok = b * QM + r // G  # query rows: QM tokens of sequence b x the G query heads of kv head h
-    head = h * G + r % G
+    rv = r < G
+    head = h * G + r
     d = tl.arange(0, HD)
-    q = tl.load(q_ptr + (tok[:, None] * (HKV * G) + head[:, None]) * HD + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
-    lim = tl.where(rv, tl.load(lim_ptr + tok, mask=rv, other=0) + lim_add, 0)  # keys [0, lim) per row
-    nmax = tl.max(lim, axis=0)
+    q = tl.load(q_ptr + (t * (HKV * G) + head[:, None]) * HD + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
+    lim = tl.load(lim_ptr + t) + lim_add  # keys [0, lim)
     m_i = tl.full((BLOCK_Q,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, HD), tl.float32)
     for n0 in range(0, MAX_N, BLOCK_N):  # MAX_N: the call's width (a loop bound the interpreter can take)
-        if n0 < nmax:
+        if n0 < lim:
             n = n0 + tl.arange(0, BLOCK_N)
-            nm = n < nmax
+            nm = n < lim
             blk = tl.load(tab_ptr + b * stride_tab + n // BS, mask=nm, other=0)
             slot = blk * BS + n % BS
             kt = tl.load(kp_ptr + (slot[:, None] * HKV + h) * HD + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
             vt = tl.load(vp_ptr + (slot[:, None] * HKV + h) * HD + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
-            s = tl.where(n[None, :] < lim[:, None], s, float("-inf"))
+            s = tl.where(nm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
@@ -196,7 +197,7 @@ def _paged_attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, lim_ptr, o_ptr, stri
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + (tok[:, None] * (HKV * G) + head[:, None]) * HD + d[None, :], out, mask=rv[:, None])
+    tl.store(o_ptr + (t * (HKV * G) + head[:, None]) * HD + d[None, :], out, mask=rv[:, None])
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -204,14 +205,14 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B * tokens_per_row, H, hd] (row b's tokens consecutive) -> [B * tokens_per_row, H, hd]: each
     query token t over the pool entries [0, limits[t] + limit_add) of its row's block table
-    (tables [B, W] int64), at most max_keys keys (the call's context width: one compile per width).
-    Causal attention is limits = positions, limit_add = 1."""
+    (tables [B, W] int64), at most max_keys keys. Causal attention is limits = positions, limit_add = 1.
+    One program per (token, kv head); the kernel is compiled per max_keys (rounded up to 64 keys) and
+    nothing else of the call, so a chain or verify of another length reuses it."""
     T, H, hd = q.shape
     hkv, bs = k_pool.shape[2], k_pool.shape[1]
-    B = T // tokens_per_row
     o = out if out is not None else torch.empty_like(q)
     g = H // hkv
-    _paged_attention_kernel[(B, hkv)](
-        q, k_pool, v_pool, tables, limits, o, tables.stride(0), limit_add, scale,
-        QM=tokens_per_row, G=g, HKV=hkv, HD=hd, BS=bs, MAX_N=max_keys, BLOCK_Q=max(16, _pow2(tokens_per_row * g)), BLOCK_N=32)
+    _paged_attention_kernel[(T, hkv)](
+        q, k_pool, v_pool, tables, limits, o, tables.stride(0), tokens_per_row, limit_add, scale,
+        G=g, HKV=hkv, HD=hd, BS=bs, MAX_N=-(-max_keys // 64) * 64, BLOCK_Q=max(16, _pow2(g)), BLOCK_N=32)
     return o
