@@ -8,7 +8,9 @@ target just emitted.
 
 Each engine step:
   - `chain`: from each sequence's last entry output, K greedy drafts; depth k >= 2 adds a
-    temporary entry at index C + k - 2, held in a dense tail outside the pool.
+    temporary entry at index C + k - 2, held in a dense tail outside the pool. The fused static chain
+    (CUDA, specialists/ops/fused.py) writes it into the pool at its own index instead: a slot the
+    verify has reserved and the rebuild overwrites.
   - `rebuild`: after verification, entries for every token the target just ran, from the target's
     own hidden states (prefill tokens, or [x, d1..dK] of a verify), overwriting the chained ones. Entries
     past the accepted length are garbage at indices >= the new committed length; nothing reads them
