@@ -32,6 +32,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@triton.jit
+def _x_chunk(x_ptr, rm, mm, stride_x, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of rows rm of x, as fp32 (and the column ids and mask)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    mk = rk < K
+    x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    return rk, mk, x
+
+
+@triton.jit
+def _w_dot(w_ptr, wrows, wmask, stride_w, rk, mk, x):
+    """x [BM, BK] times rows wrows of w over the same columns -> [BM, len(wrows)] partial products."""
+    w = tl.load(w_ptr + wrows[:, None] * stride_w + rk[None, :], mask=wmask[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for any row count
 def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, tok_ptr, tab_ptr, M, N, K: tl.constexpr,
                         stride_x, stride_w, stride_out, stride_res, stride_tab, eps,
@@ -44,15 +60,10 @@ def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, tok_ptr, tab_ptr, M, N, 
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mk = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        rk, mk, x = _x_chunk(x_ptr, rm, mm, stride_x, k0, K, BLOCK_K)
+        acc += _w_dot(w_ptr, rn, mn, stride_w, rk, mk, x)
         if SILU_MUL:  # the up half: rows N.. of W
-            w2 = tl.load(w_ptr + (rn[:, None] + N) * stride_w + rk[None, :], mask=mn[:, None] & mk[None, :],
-                         other=0.0).to(tl.float32)
-            acc2 += tl.sum(x[:, None, :] * w2[None, :, :], axis=2)
+            acc2 += _w_dot(w_ptr, rn + N, mn, stride_w, rk, mk, x)
         if NORM:
             ss += tl.sum(x * x, axis=1)
     if NORM:
@@ -108,16 +119,12 @@ def _qkv_rope_kernel(x_ptr, w_ptr, q_ptr, kp_ptr, vp_ptr, cs_ptr, pos_ptr, slot_
     acc = tl.zeros((BLOCK_M, HD), tl.float32)
     acc_p = tl.zeros((BLOCK_M, HD), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
+    allj = j < HD
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mk = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + (h * HD + j)[:, None] * stride_w + rk[None, :], mask=mk[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        rk, mk, x = _x_chunk(x_ptr, rm, mm, stride_x, k0, K, BLOCK_K)
+        acc += _w_dot(w_ptr, h * HD + j, allj, stride_w, rk, mk, x)
         if h < HQ + HKV:
-            wp = tl.load(w_ptr + (h * HD + partner)[:, None] * stride_w + rk[None, :], mask=mk[None, :],
-                         other=0.0).to(tl.float32)
-            acc_p += tl.sum(x[:, None, :] * wp[None, :, :], axis=2)
+            acc_p += _w_dot(w_ptr, h * HD + partner, allj, stride_w, rk, mk, x)
         ss += tl.sum(x * x, axis=1)
     rs = 1.0 / tl.sqrt(ss / K + eps)
     acc = acc * rs[:, None]
