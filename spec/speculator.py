@@ -203,7 +203,7 @@ class Speculator:
             n += self.runner.capture(b, 1, w, post)
             if k:
                 n += self.runner.capture(b, 1 + k, w, post)
-                n += self.drafter.capture_chain(b, k, w, self.kv.scratch_block)
+                n += self.drafter.capture_chain(b, k, w)
         return n
 
     @staticmethod

@@ -240,13 +240,13 @@ class PagedDrafter:
                                                                   flat.view(num_rows, nblk), k, width))
         return self.graphs.run(key, lambda: self._chain(self._entries.index_select(0, idx), c, flat, k, width, masked=True)[0])
 
-    def capture_chain(self, num_rows: int, k: int, width: int, scratch_block: int) -> bool:
+    def capture_chain(self, num_rows: int, k: int, width: int) -> bool:
         """Captures chain_static's graph for (num_rows, k, width) on padding rows (context 0, the
         scratch block); False when there are no graphs or it is captured already."""
         if not self.graphs.enabled or self.graphs.has((num_rows, k, width)):
             return False
         source = torch.zeros(1, self.cfg.hidden_size, dtype=self.k.dtype, device=self.k.device)
-        self.chain_static(source, [0], [0], [[scratch_block]], k, num_rows, width)
+        self.chain_static(source, [0], [0], [[self.scratch_block]], k, num_rows, width)
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next call
         return True
 

@@ -33,6 +33,7 @@ from spec.triggers import TriggerSet
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
 from specialists.models.loader import load_model
+from specialists.train.draftvocab import read_draft_vocab
 from specialists.models.mtp import MissingDrafterError, load_drafter
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
@@ -160,12 +161,7 @@ class Engine:
                 if policy is not None:
                     raise
                 log.warning("%s has no MTP drafter: speculation off", path)
-        vocab = None
-        vocab_file = Path(path) / "mtp_vocab.safetensors"
-        if drafter is not None and draft_vocab_size != 0 and vocab_file.is_file():
-            from safetensors.torch import load_file
-
-            vocab = load_file(str(vocab_file))["token_ids"][:draft_vocab_size]
+        vocab = read_draft_vocab(Path(path), draft_vocab_size) if drafter is not None and draft_vocab_size != 0 else None
         return cls(model, tokenizer, cfg, device, drafter, policy, vocab)
 
     def set_policy(self, policy: SpeculationPolicy) -> None:

@@ -74,13 +74,15 @@ def _few_rows_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
     """A CUDA product of 2-8 rows (a verify's K+1 tokens) that cuBLAS would run as a split-K GEMM
     (two kernels, 5.5-14 us on an H100 at d = 256) where one batched GEMV per row takes 2.6-3.6 us
     (measured at N = 256..1160, K = 256..512; at N >= 640 with <= 4 rows the GEMM is as fast)."""
-    m, n = x.shape[0], w.shape[0] if w.dim() else 0
-    return x.is_cuda and x.dim() == 2 and w.dim() == 2 and 2 <= m <= 8 and n <= 2048 and (n < 640 or m > 4)
+    if not (x.is_cuda and x.dim() == 2 and w.dim() == 2):
+        return False
+    m, n = x.shape[0], w.shape[0]
+    return 2 <= m <= 8 and n <= 2048 and (n < 640 or m > 4)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w[out, in]^T (+ b) -> [..., out]."""
-    if x.is_cuda and _few_rows_cuda(x, w):
+    if _few_rows_cuda(x, w):
         out = torch.matmul(x[:, None, None, :], w.t()[None]).view(x.shape[0], w.shape[0])  # batched over rows
         return out if b is None else out + b
     if not (_ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
