@@ -8,7 +8,8 @@ Rows are {"prompt": raw text (completion style)}; each prompt is tokenized witho
 cut to its last 256 tokens. Both sides decode greedily with EOS ignored, so every prompt yields
 exactly N new tokens, in batches of B prompts: the engine gets each batch at once (max_num_seqs = B),
 transformers gets it left-padded (at B = 1 there is no padding, a fair single-sequence figure). Both
-are warmed up once before timing. tok/s is generated tokens over wall time, aggregated over the
+are warmed up before timing (the engines on every batch's reversed prompts, transformers on the
+first's). tok/s is generated tokens over wall time, aggregated over the
 batch; identical is the fraction of prompts whose greedy tokens equal transformers' exactly. The last
 line of output is one JSON object.
 
@@ -164,15 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     for eng in (engine, spec_engine):
         if eng is not None:
             eng.capture_graphs()
-    # warm-up: the prefill and decode shapes of the first batch, both sides; on reversed prompts, so that
-    # the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)
-    warm = [p[::-1] for p in batches[0]]
-    run_engine(warm, min(n, WARMUP_TOKENS))
+    # warm-up: every batch's prefill and decode shapes, both sides (a kernel's first call with a new
+    # shape may compile it; the side that met it first in the timed run would pay). On reversed prompts,
+    # so that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)
+    for batch in tqdm(batches, desc="warm-up", unit="batch", file=sys.stderr):
+        warm = [p[::-1] for p in batch]
+        run_engine(warm, min(n, WARMUP_TOKENS))
+        if spec_engine is not None:
+            run_spec(warm, min(n, WARMUP_TOKENS))
     if spec_engine is not None:
-        run_spec(warm, min(n, WARMUP_TOKENS))
         spec_engine.totals = type(spec_engine.totals)()  # count the timed run only
     if not args.skip_hf:
-        run_hf(warm, min(n, WARMUP_TOKENS))
+        run_hf([p[::-1] for p in batches[0]], min(n, WARMUP_TOKENS))
     _sync(args.device)
 
     hits_before = engine.stats.get("prefix_hit_tokens", 0)

@@ -255,7 +255,9 @@ class Engine:
         policy = self.gate.policy
         k = policy.num_speculative_tokens if status == "on" else 0
         for seq in sched.running:
-            room = min(seq.params.max_tokens - len(seq.output_ids), self.cfg.max_model_len - len(seq.all_ids)) - 1
+            # drafts past max_tokens are verified and cut (one verify shape per K: no new graph at a
+            # request's end); past max_model_len there is no KV room for them
+            room = self.cfg.max_model_len - len(seq.all_ids) - 1
             seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
         step = sched.schedule()
         if step.empty:
@@ -280,11 +282,14 @@ class Engine:
             n, event = self._cut(seq, run)
             kept.append(n)
             events.append(event)
-            a = min(len(run) - 1, n - 1) if row.k else 0  # drafts kept after the cut
-            drafted += row.k
+            # drafts that could be emitted (not those past max_tokens) and those kept after the cut
+            k_room = min(row.k, seq.params.max_tokens - len(seq.output_ids) - 1)
+            a = min(len(run) - 1, n - 1) if k_room > 0 else 0
+            k_room = max(k_room, 0)
+            drafted += k_room
             accepted += a
-            seq.stats.record(row.k, a, n)
-            self.totals.record(row.k, a, n)
+            seq.stats.record(k_room, a, n)
+            self.totals.record(k_room, a, n)
             if not row.prefill:
                 seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
