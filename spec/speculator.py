@@ -49,6 +49,16 @@ class Speculator:
         self.device = runner.device
         self._draft_out: torch.Tensor | None = None  # [T_prev, d] the last rebuild's entry outputs
         self._draft_index: dict[int, int] = {}  # seq_id -> row of _draft_out at its committed end
+        # drafting ahead (static greedy steps): right after a verify the device drafts the next step from
+        # its own acceptance, while the host commits; the next step uses those drafts if its sequences
+        # and their committed lengths are the ones assumed. The chain then writes its chained entries
+        # past the accepted tokens: with the fused drafter the scheduler reserves room for them.
+        self.ahead = drafter is not None and runner.static
+        self.ahead_pool = self.ahead and drafter.chains_in_pool
+        self._next: tuple | None = None  # (seq ids, committed lengths, k, drafts [Bp, k]) drafted ahead
+        self._pinned: torch.Tensor | None = None  # host copy of a static step's packed output (CUDA)
+        self._done: Any = None  # torch.cuda.Event: that copy is done
+        self.ahead_used = self.ahead_missed = 0  # steps that used / could not use the drafts made ahead
 
     def forget(self, seq_id: int) -> None:
         self._draft_index.pop(seq_id, None)
@@ -70,6 +80,7 @@ class Speculator:
         if not prefills and len(ks) == 1 and self.runner.static_batch(len(decodes), 1 + min(ks)) and (
                 self.drafter is None or self.drafter.min_confidence == 0):
             return self._execute_static(decodes, ks.pop(), method, typical, rebuild, t_draft)
+        self._next = None  # a mixed step: whatever was drafted ahead no longer applies
         spec_seqs = [seq for seq in decodes if want[id(seq)] > 0]
         drafts = None
         if spec_seqs:  # draft first: the drafter may stop a chain early (low confidence), which sets k
@@ -152,10 +163,15 @@ class Speculator:
         B, q = len(decodes), 1 + k
         committed = [self.kv.num_computed(s.seq_id) for s in decodes]
         Bp, width = self.runner.static_shape(B, max(committed) + q)  # the verify's rows and attention width
-        drafts = None
-        if k:
-            drafts = self.drafter.chain_static(self._draft_out, [self._draft_index[s.seq_id] for s in decodes], committed,
-                                               [self.kv.block_table(s.seq_id) for s in decodes], k, Bp, width)
+        ids = [s.seq_id for s in decodes]
+        drafts, ahead, self._next = None, self._next, None
+        if k and ahead is not None and ahead[:3] == (ids, committed, k):  # drafted ahead, on what happened
+            drafts = ahead[3]
+            self.ahead_used += 1
+        elif k:
+            self.ahead_missed += ahead is not None
+            drafts = self.drafter.chain_static(self._draft_out, [self._draft_index[i] for i in ids], committed,
+                                               [self.kv.block_table(i) for i in ids], k, Bp, width)
         rows = [Row(seq, False, [seq.output_ids[-1]] + [0] * k, k, b * q) for b, seq in enumerate(decodes)]
         t_verify = time.perf_counter()
         params = [r.seq.params for r in rows]
@@ -164,7 +180,7 @@ class Speculator:
         res = self.runner.run([(r.seq.seq_id, r.tokens, False, r.seq.ssm_slot) for r in rows], fill_rows=drafts,
                               rebuild=self.drafter.rebuild if in_graph else None)
         if greedy:  # the graph packed the argmaxes with the drafts it was fed
-            tokens, packed = res.best.view(B, q), res.packed
+            tokens, packed = res.best.view(B, q), res.packed[:B]
         else:
             tokens, packed = self._accept(rows, res.logits.view(B, q, -1), None if drafts is None else drafts[:B],
                                           method, typical)
@@ -174,9 +190,36 @@ class Speculator:
             self._draft_out = res.draft_out
         elif rebuild and self.drafter is not None:
             self._rebuild(rows, res, tokens, k)
-        host = packed.tolist()  # the one host sync of the step
+        ahead = self.ahead and in_graph and k > 0
+        if ahead and packed.is_cuda:  # the step's one sync waits for the copy, not for the chain after it
+            host = self._host_copy(packed)
+            drafts_next = self._chain_ahead(res, Bp, k, width)
+            host = host()
+        else:
+            host = packed.tolist()  # the one host sync of the step
+            drafts_next = self._chain_ahead(res, Bp, k, width) if ahead else None
         runs, dlist = self._runs(rows, host, greedy, k, drafts is not None)
+        if ahead:  # valid next step if every run is committed whole and the same sequences decode
+            self._next = (ids, [c + len(run) for c, run in zip(committed, runs)], k, drafts_next)
         return rows, StepOutput(runs, t_verify - t_draft, time.perf_counter() - t_verify, dlist)
+
+    def _chain_ahead(self, res: Any, Bp: int, k: int, width: int) -> torch.Tensor:
+        """The next step's drafts [Bp, k], drafted on the device from this verify's outputs."""
+        ctx, tables = self.runner.static_views(Bp)
+        return self.drafter.chain_ahead(res.draft_out, res.packed, ctx, tables, k, width)
+
+    def _host_copy(self, packed: torch.Tensor):
+        """Starts packed's copy into pinned host memory; -> a call that waits for it and returns the lists."""
+        n = packed.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        dst = self._pinned[:n].view(packed.shape)
+        dst.copy_(packed, non_blocking=True)
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        done = self._done
+        done.record()
+        return lambda: (done.synchronize(), dst.tolist())[1]
 
     def _accept(self, rows: list[Row], target: torch.Tensor, drafts: torch.Tensor | None, method: str,
                 typical: TypicalParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +247,10 @@ class Speculator:
             if k:
                 n += self.runner.capture(b, 1 + k, w, post)
                 n += self.drafter.capture_chain(b, k, w)
+                outputs = self.runner.graphs.outputs(("step", b, 1 + k, w, True)) if post is not None else None
+                if self.ahead and outputs is not None:  # the chain drafted ahead of a greedy verify
+                    ctx, tables = self.runner.static_views(b)
+                    n += self.drafter.capture_chain_ahead(outputs[3], outputs[5], ctx, tables, k, w)
         return n
 
     @staticmethod

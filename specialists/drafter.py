@@ -118,6 +118,11 @@ class PagedDrafter:
     def num_speculative_tokens(self) -> int:
         return self.cfg.num_speculative_tokens
 
+    @property
+    def chains_in_pool(self) -> bool:
+        """Whether a static chain writes its chained entries into the pool (the fused one does)."""
+        return self._fused is not None
+
     def _unit(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> RMSNorm without its gain (that is in the next weight)
         if self._cpu:  # x / |x|: the sqrt(d) is in the weight too
             return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-12)
@@ -249,6 +254,46 @@ class PagedDrafter:
         self.chain_static(source, [0], [0], [[self.scratch_block]], k, num_rows, width)
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next call
         return True
+
+    def chain_ahead(
+        self,
+        source: torch.Tensor,  # [Tp, d] a greedy static verify's rebuilt entry outputs (row b*q + j: row b's token j)
+        packed: torch.Tensor,  # [Bp, 2q - 1] its argmaxes, then the drafts it was fed (q = k + 1)
+        context: torch.Tensor,  # [Bp] its context lengths (committed + q)
+        tables: torch.Tensor,  # [Bp, >= width / block_size] its block tables, reserved through C' + k - 2
+        k: int,
+        width: int,  # the verify's context width (>= every C')
+    ) -> torch.Tensor:  # [Bp, k] drafts for the next step, a static tensor
+        """The next step's chain, drafted right after the verify on the device alone: row b keeps a_b
+        drafts (the leading ones equal to the target's argmax), so it will have committed
+        C' = context - q + a_b + 1 tokens and its last entry is source row b*q + a_b. A CUDA graph per
+        input set; valid for the next step only if the host then commits exactly those tokens."""
+        if self.min_confidence > 0:
+            raise ValueError("chain_ahead drafts without a confidence floor")
+        Bp, q = packed.shape[0], k + 1
+        self._grow(width + k + 1)  # outside a capture
+        key = ("ahead", Bp, k, width) + tuple((t.data_ptr(), t.shape[0]) for t in (source, packed, context, tables))
+
+        def chain() -> torch.Tensor:
+            kept = (packed[:, q:] == packed[:, :k]).to(torch.int64).cumprod(1).sum(1)  # [Bp]
+            c = torch.where(context > q, context - q + kept + 1, 0)  # padding rows (context q): 0, the scratch block
+            prev = source.index_select(0, torch.arange(Bp, device=source.device) * q + kept)
+            if self._fused is not None:
+                return self._chain_fused(prev, c, tables, k, width)
+            return self._chain(prev, c, tables[:, :width // self.block_size].reshape(-1), k, width, masked=True)[0]
+
+        return self.graphs.run(key, chain)
+
+    def capture_chain_ahead(self, source: torch.Tensor, packed: torch.Tensor, context: torch.Tensor,
+                            tables: torch.Tensor, k: int, width: int) -> bool:
+        """Captures chain_ahead's graph over a captured verify's outputs (their padding rows: the scratch
+        block); False when there are no graphs or it is captured already."""
+        n = len(self.graphs)
+        if not self.graphs.enabled:
+            return False
+        self.chain_ahead(source, packed, context, tables, k, width)
+        torch.cuda.synchronize()
+        return len(self.graphs) > n
 
     def _chain(self, prev: torch.Tensor, c: torch.Tensor, tab: torch.Tensor, k: int, width: int,
                masked: bool) -> tuple[torch.Tensor, list[int]]:

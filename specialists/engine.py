@@ -3,10 +3,9 @@
   engine = Engine.from_pretrained("deploy/models/cpp")
   outs = engine.generate(["def main():"], SamplingParams(max_tokens=32))
 
-One engine step: the scheduler picks prefills and decodes, the runner runs one forward, the sampler
-picks one token per sequence, and the tokens come to the host in one copy; then KV and SSM state
-are committed and finished sequences release their blocks and slots. No Ray in here.
-Speculative decoding (draft, verify, accept, roll back) is the next issue and slots into `step`.
+One engine step: the scheduler picks prefills and decodes, the speculator drafts, verifies and accepts
+(spec/speculator.py; one host copy), the engine cuts each run at its triggers, KV and SSM state are
+committed, finished sequences release their blocks and slots. No Ray in here.
 """
 
 from __future__ import annotations
@@ -96,9 +95,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = Runner(model, self.kv, self.ssm, device, cfg.pad_batches, cfg.cuda_graphs, cfg.static_batches,
                              cfg.max_model_len, cfg.max_num_seqs)
-        conf = cfg.draft_min_confidence
-        if conf is None:  # off: with int8 drafting on CPU a full chain costs less than the drafts it loses
-            conf = 0.0
+        conf = cfg.draft_min_confidence or 0.0  # None: off (a full int8 chain costs less than the drafts it loses)
         self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf,
                                      cfg.cuda_graphs, self.runner.max_context_width + 64, cfg.fused_drafter)
                         if drafter is not None else None)
@@ -108,6 +105,7 @@ class Engine:
             raise MissingDrafterError("speculation needs an MTP drafter; pass one or use mode 'off'")
         self.gate = SpeculationGate(policy)
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
+        self.scheduler.draft_lookahead = self.speculator.ahead_pool
         tok = tokenizer.convert_tokens_to_ids
         eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
         unk = tokenizer.unk_token_id
@@ -255,9 +253,8 @@ class Engine:
         policy = self.gate.policy
         k = policy.num_speculative_tokens if status == "on" else 0
         for seq in sched.running:
-            # drafts past max_tokens are verified and cut (one verify shape per K: no new graph at a
-            # request's end); past max_model_len there is no KV room for them
-            room = self.cfg.max_model_len - len(seq.all_ids) - 1
+            # drafts past max_tokens are verified and cut (one verify shape per K: no new graph at the end)
+            room = self.cfg.max_model_len - len(seq.all_ids) - 1  # past max_model_len: no KV room
             seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
         step = sched.schedule()
         if step.empty:
@@ -283,9 +280,8 @@ class Engine:
             kept.append(n)
             events.append(event)
             # drafts that could be emitted (not those past max_tokens) and those kept after the cut
-            k_room = min(row.k, seq.params.max_tokens - len(seq.output_ids) - 1)
-            a = min(len(run) - 1, n - 1) if k_room > 0 else 0
-            k_room = max(k_room, 0)
+            k_room = max(0, min(row.k, seq.params.max_tokens - len(seq.output_ids) - 1))
+            a = min(len(run) - 1, n - 1) if k_room else 0
             drafted += k_room
             accepted += a
             seq.stats.record(k_room, a, n)

@@ -54,6 +54,11 @@ class GraphCache:
     def has(self, key: Hashable) -> bool:
         return key in self._graphs
 
+    def outputs(self, key: Hashable) -> Any:
+        """The static outputs of the graph captured under key (None if there is none)."""
+        entry = self._graphs.get(key)
+        return None if entry is None else entry[1]
+
     def _capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
         fn()  # eager warm-up: lazy initialisations happen outside the capture
         # capture on a side stream (a capture cannot run on the default stream); unlike torch.cuda.graph

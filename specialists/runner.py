@@ -77,7 +77,7 @@ class StepResult:
     batch: ForwardBatch  # the real rows (views into the runner's static buffers: valid until the next step)
     best: torch.Tensor | None = None  # [n] argmax of each logits row (static batches)
     draft_out: torch.Tensor | None = None  # [Tp, d] the drafter's rebuilt entries (static batch, rebuild given)
-    packed: torch.Tensor | None = None  # [B, 2q - 1] each row's argmaxes, then its fed drafts (static batch)
+    packed: torch.Tensor | None = None  # [Bp, 2q - 1] each (padded) row's argmaxes, then its fed drafts (static batch)
 
 
 class StaticInputs:
@@ -338,4 +338,11 @@ class Runner:
             B = len(rows)
             self.ssm.stage_all([r[3] for r in rows], staged[0][:B], staged[1][:B])
         T = real.num_tokens
-        return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out, packed[:len(rows)])
+        return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out, packed)
+
+    def static_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device buffers a static batch of num_rows (padded) rows reads: its context lengths [Bp]
+        and block tables [Bp, max_blocks] (what the last static step saw until the next build)."""
+        inp = self.inputs
+        return (inp.segment(6, num_rows, host=False),
+                inp.segment(9, num_rows * inp.max_blocks, host=False).view(num_rows, inp.max_blocks))

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,7 +116,10 @@ class Scheduler:
                 continue  # preempted while making room for an earlier one
             while True:
                 try:
-                    self.kv.reserve(seq.seq_id, 1 + seq.spec_k)  # room for [last, d1..dk]
+                    # room for [last, d1..dk], and with draft_lookahead for the k-1 chained entries the
+                    # drafter writes past the accepted ones when it drafts the next step ahead
+                    extra = seq.spec_k - 1 if self.draft_lookahead and seq.spec_k else 0
+                    self.kv.reserve(seq.seq_id, 1 + seq.spec_k + extra)
                     scheduled.append(seq)
                     break
                 except NoFreeBlocksError:

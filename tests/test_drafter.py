@@ -45,14 +45,14 @@ def _capture(engine: Engine, prompt: list[int], max_tokens: int = 30) -> list[tu
         return drafts, counts
 
     engine.speculator._draft = spy
-    chain_static = engine.drafter.chain_static
+    run = engine.runner.run
 
-    def spy_static(source, rows, committed, tables, k, num_rows, width):  # a static batch (one sequence here)
-        drafts = chain_static(source, rows, committed, tables, k, num_rows, width)
-        seen.append((list(engine.scheduler.running[0].all_ids), drafts[0].tolist(), k))
-        return drafts
+    def spy_static(rows, fill=None, fill_rows=None, rebuild=None):  # a static batch (one sequence here): the
+        if fill_rows is not None:  # drafts it verifies, from the step's own chain or drafted ahead
+            seen.append((list(engine.scheduler.running[0].all_ids), fill_rows[0].tolist(), fill_rows.shape[1]))
+        return run(rows, fill, fill_rows, rebuild)
 
-    engine.drafter.chain_static = spy_static
+    engine.runner.run = spy_static
     engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return seen
 
@@ -61,7 +61,8 @@ def _capture(engine: Engine, prompt: list[int], max_tokens: int = 30) -> list[tu
 def test_paged_drafts_equal_the_dense_reference(static) -> None:
     """The eager chain (exact context width), the static one (a CUDA graph's: the context padded to
     a width bucket and masked on the device) and the fused static one (Triton kernels, chained
-    entries in the pool; here through Triton's interpreter) propose what the dense reference proposes."""
+    entries in the pool; here through Triton's interpreter) propose what the dense reference proposes;
+    the static ones also when drafted ahead of the step, right after the previous verify."""
     fused = static == "fused"
     if fused:
         pytest.importorskip("triton")
@@ -72,6 +73,7 @@ def test_paged_drafts_equal_the_dense_reference(static) -> None:
     assert (engine.drafter._fused is not None) == fused
     seen = _capture(engine, _prompt(engine))
     assert (engine.runner.static_steps > 0) == bool(static)
+    assert (engine.speculator.ahead_used > 0) == bool(static)  # static steps: most drafts were drafted ahead
     m, drafter = engine.model, engine.drafter.drafter
     checked = 0
     for ids, drafts, _ in seen:

@@ -135,6 +135,25 @@ class _Oracle:
             out.append(row)
         return torch.tensor(out, dtype=torch.int64, device=self.engine.device), [kmax] * len(out)
 
+    def install(self) -> None:
+        """Drafts through the oracle on both paths: the speculator's `_draft` (mixed batches), and
+        the drafter's `chain_static` (static batches: CUDA graphs, or CANTATA_STATIC_BATCHES=1),
+        whose rows are the decodes `_execute_static` got, then padding."""
+        spec = self.engine.speculator
+        spec._draft = self
+        static = spec._execute_static
+
+        def execute_static(decodes, *args):
+            self.decodes = decodes
+            return static(decodes, *args)
+
+        def chain_static(source, rows, committed, tables, k, num_rows, width):
+            drafts = self(self.decodes, k)[0]
+            return torch.cat([drafts, drafts.new_zeros(num_rows - drafts.shape[0], k)])
+
+        spec._execute_static = execute_static
+        self.engine.drafter.chain_static = chain_static
+
 
 def _fresh_ssm(engine: Engine, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """conv and SSM state of every Mamba layer after a fresh prefill of `tokens` in scratch caches."""
@@ -158,7 +177,7 @@ def test_random_acceptance_keeps_state_invariants(domain: str) -> None:
     engine = _engine(domain, k=4, max_num_seqs=5)
     rids = [engine.add_request(p, params) for p in prompts]
     oracle = _Oracle(engine, dict(zip(rids, ref)), seed=7)
-    engine.speculator._draft = oracle
+    oracle.install()
     final = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -190,7 +209,7 @@ def test_drafts_spanning_a_stop_token_are_cut() -> None:
     rid = engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]))
     oracle = _Oracle(engine, {rid: ref}, seed=1)
     oracle.rng.choice = lambda seq: seq[1]  # always draft k correct tokens: runs span the trigger
-    engine.speculator._draft = oracle
+    oracle.install()
     seen = 0
     out = None
     while engine.has_unfinished():

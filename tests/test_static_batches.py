@@ -81,6 +81,34 @@ def test_static_steps_equal_eager_steps(domain: str, batch: int) -> None:
         assert got == ref, key  # exact: speculation, static batches (graphs) and both
 
 
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # Llama; Mamba2 hybrid
+def test_drafting_ahead_proposes_the_chains_drafts(domain: str) -> None:
+    """The chain drafted on the device right after a greedy verify (spec/speculator.py) proposes exactly
+    what the step's own chain would: the same tokens, drafts and accepted counts with it and without.
+    It is used when every run was committed whole and the same sequences decode next; a stop token
+    cutting a run and a request finishing make the next step draft its own chain (missed)."""
+    seen = []
+    ref = _engine(domain, True, "off")
+    prompts = _prompts(ref, domain, 4)
+    stop = _run(ref, prompts[1:2], 1, 28)[0][12]  # a token prompt 1 meets mid-way
+    params = [SamplingParams(max_tokens=24 + 4 * i, ignore_eos=True, stop_token_ids=[stop] if i == 1 else [])
+              for i in range(len(prompts))]
+    for ahead in (False, True):
+        eng = _engine(domain, True)
+        eng.speculator.ahead = ahead
+        outs = [o.token_ids for o in eng.generate(prompts[:1], params[:1]) + eng.generate(prompts, params)]
+        stats = eng.totals.as_dict()
+        seen.append((outs, stats["drafted"], stats["accepted"]))
+        spec = eng.speculator
+        if ahead:
+            assert spec.ahead_used > 0 and spec.ahead_missed > 0, (spec.ahead_used, spec.ahead_missed)
+        else:
+            assert spec.ahead_used == spec.ahead_missed == 0
+        eng.kv.check_invariants()
+    assert seen[0] == seen[1]
+    assert len(seen[1][0][2]) < 24 + 4, "the stop token never cut a run"  # prompt 1 of the batch
+
+
 @pytest.mark.parametrize("domain", ["build", "python"])
 def test_static_sampled_speculation_is_seeded(domain: str) -> None:
     """Rejection sampling through static batches: the same seeds give the same tokens; the accepted
