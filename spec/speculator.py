@@ -247,8 +247,8 @@ class Speculator:
             if k:
                 n += self.runner.capture(b, 1 + k, w, post)
                 n += self.drafter.capture_chain(b, k, w)
-                outputs = self.runner.graphs.outputs(("step", b, 1 + k, w, True)) if post is not None else None
-                if self.ahead and outputs is not None:  # the chain drafted ahead of a greedy verify
+                outputs = self.runner.static_outputs(b, 1 + k, w, post)
+                if self.ahead and post is not None and outputs is not None:  # the chain drafted ahead
                     ctx, tables = self.runner.static_views(b)
                     n += self.drafter.capture_chain_ahead(outputs[3], outputs[5], ctx, tables, k, w)
         return n

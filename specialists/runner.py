@@ -340,6 +340,11 @@ class Runner:
         T = real.num_tokens
         return StepResult(logits[:T], hidden[:T], real, best[:T], draft_out, packed)
 
+    def static_outputs(self, num_rows: int, q: int, width: int, rebuild=None) -> tuple | None:
+        """The outputs of the captured step graph of that shape (None if not captured): (hidden,
+        logits, best, draft_out, staged, packed) of the padded batch, rewritten by each replay."""
+        return self.graphs.outputs(_step_key(bucket_size(num_rows), q, width, rebuild))
+
     def static_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device buffers a static batch of num_rows (padded) rows reads: its context lengths [Bp]
         and block tables [Bp, max_blocks] (what the last static step saw until the next build)."""
