@@ -253,8 +253,9 @@ class Engine:
         policy = self.gate.policy
         k = policy.num_speculative_tokens if status == "on" else 0
         for seq in sched.running:
-            # drafts past max_tokens are verified and cut (one verify shape per K: no new graph at the end)
             room = self.cfg.max_model_len - len(seq.all_ids) - 1  # past max_model_len: no KV room
+            if not self.runner.static:  # static steps draft past max_tokens and cut (one graph per K)
+                room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
             seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
         step = sched.schedule()
         if step.empty:
@@ -289,15 +290,13 @@ class Engine:
             if not row.prefill:
                 seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
-        for row in rows:
-            row.seq.draft_ok = rebuild
         outs = [self._emit(row.seq, run[:n], event) for row, run, n, event in zip(rows, out.runs, kept, events)]
-        for row in rows:
-            if row.seq.status is Status.FINISHED:
-                self.speculator.forget(row.seq.seq_id)
         t_commit = time.perf_counter() - t0
         for row in rows:
+            row.seq.draft_ok = rebuild
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
+            if row.seq.status is Status.FINISHED:
+                self.speculator.forget(row.seq.seq_id)
         if drafted:
             self.gate.observe(drafted, accepted)
         if status != "off" and step.decodes and not step.prefills:  # decode-only steps: time per emitted token
