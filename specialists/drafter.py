@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specialists.drafter_fused import ENTRY_ROWS, FusedPaths
 from specialists.graphs import GraphCache, graphs_allowed
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
@@ -43,10 +44,7 @@ def _fused_ops(device: torch.device, fused: bool | None):
     return ops
 
 
-ENTRY_ROWS = 1024  # the most tokens a static batch has (64 rows x 16 tokens)
-
-
-class PagedDrafter:
+class PagedDrafter(FusedPaths):
     def __init__(
         self,
         drafter: MTPDrafter,
@@ -239,11 +237,8 @@ class PagedDrafter:
         if not in_place:  # an eager rebuild's (a prefill step's) outputs
             self._entries[:S].copy_(source[torch.tensor(rows, device=source.device)])
         self._grow(width + k)  # outside a capture
-        c, idx, flat = buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:]
-        if self._fused is not None:
-            return self.graphs.run(key, lambda: self._chain_fused(self._entries.index_select(0, idx), c,
-                                                                  flat.view(num_rows, nblk), k, width))
-        return self.graphs.run(key, lambda: self._chain(self._entries.index_select(0, idx), c, flat, k, width, masked=True)[0])
+        c, idx, tables = buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:].view(num_rows, nblk)
+        return self.graphs.run(key, lambda: self._static_drafts(self._entries.index_select(0, idx), c, tables, k, width))
 
     def capture_chain(self, num_rows: int, k: int, width: int) -> bool:
         """Captures chain_static's graph for (num_rows, k, width) on padding rows (context 0, the
@@ -278,9 +273,7 @@ class PagedDrafter:
             kept = (packed[:, q:] == packed[:, :k]).to(torch.int64).cumprod(1).sum(1)  # [Bp]
             c = torch.where(context > q, context - q + kept + 1, 0)  # padding rows (context q): 0, the scratch block
             prev = source.index_select(0, torch.arange(Bp, device=source.device) * q + kept)
-            if self._fused is not None:
-                return self._chain_fused(prev, c, tables, k, width)
-            return self._chain(prev, c, tables[:, :width // self.block_size].reshape(-1), k, width, masked=True)[0]
+            return self._static_drafts(prev, c, tables, k, width)
 
         return self.graphs.run(key, chain)
 
@@ -288,12 +281,19 @@ class PagedDrafter:
                             tables: torch.Tensor, k: int, width: int) -> bool:
         """Captures chain_ahead's graph over a captured verify's outputs (their padding rows: the scratch
         block); False when there are no graphs or it is captured already."""
-        n = len(self.graphs)
         if not self.graphs.enabled:
             return False
+        n = len(self.graphs)
         self.chain_ahead(source, packed, context, tables, k, width)
         torch.cuda.synchronize()
         return len(self.graphs) > n
+
+    def _static_drafts(self, prev: torch.Tensor, c: torch.Tensor, tables: torch.Tensor, k: int, width: int) -> torch.Tensor:
+        """A static chain's drafts [B, k] from prev [B, d], contexts c [B] and tables [B, >= width /
+        block_size]: the fused kernels, else `_chain` over the tables' first width positions."""
+        if self._fused is not None:
+            return self._chain_fused(prev, c, tables, k, width)
+        return self._chain(prev, c, tables[:, :width // self.block_size].reshape(-1), k, width, masked=True)[0]
 
     def _chain(self, prev: torch.Tensor, c: torch.Tensor, tab: torch.Tensor, k: int, width: int,
                masked: bool) -> tuple[torch.Tensor, list[int]]:
@@ -343,45 +343,6 @@ class PagedDrafter:
             if self._stop(conf, depth - 1, counts, alive):
                 break
         return torch.stack(drafts, dim=1), counts
-
-    # ---- the fused (Triton) static paths ------------------------------------------------------
-
-    def _layer_fused(self, x: torch.Tensor, o: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rest of the block after attention: x + o_proj(o), then the SwiGLU MLP with its residual."""
-        f = self._fused
-        x2 = f.rows_linear(o.reshape(x.shape[0], -1), self.w_o, residual=x)
-        h = f.rows_linear(x2, self.w_gate_up, norm_eps=self.eps, silu_mul=True)
-        return f.rows_linear(h, self.w_down, residual=x2, out=out)
-
-    def _head_fused(self, out: torch.Tensor) -> torch.Tensor:  # [B, d] -> greedy draft ids [B]
-        best = self._fused.rows_linear(out, self.w_head, norm_eps=self.eps).argmax(-1)
-        return best if self.vocab is None else self.vocab[best]
-
-    def _rebuild_fused(self, batch: ForwardBatch, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """`rebuild` for a static batch (every row max_query_len tokens, padding rows in the scratch block)."""
-        f, cfg = self._fused, self.cfg
-        x = f.rows_linear(hidden, self.w_hidden, norm_eps=self.eps, tokens=next_tokens, table=self.token_proj)
-        q = f.qkv_rope(x, self.w_qkv, self._cs, self.k, self.v, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       self.eps, positions=batch.positions, pos_add=1, slots=batch.slot_mapping)
-        o = f.paged_attention(q, self.k, self.v, batch.block_tables, batch.positions, 1, self.scale,
-                              batch.max_query_len, batch.max_context_len)
-        T = x.shape[0]
-        return self._layer_fused(x, o, out=self._entries[:T] if T <= ENTRY_ROWS else None)
-
-    def _chain_fused(self, prev: torch.Tensor, c: torch.Tensor, tables: torch.Tensor, k: int, width: int) -> torch.Tensor:
-        """chain_static's drafts [B, k] through Triton kernels. Unlike `_chain`, the chained entries
-        go to the pool, at their own indices C + depth - 2: slots the verify reserved and the rebuild
-        overwrites after it (padding rows: the scratch block)."""
-        f, cfg = self._fused, self.cfg
-        drafts = [self._head_fused(prev)]
-        for depth in range(2, k + 1):
-            x = f.rows_linear(prev, self.w_hidden, norm_eps=self.eps, tokens=drafts[-1], table=self.token_proj)
-            q = f.qkv_rope(x, self.w_qkv, self._cs, self.k, self.v, cfg.num_attention_heads, cfg.num_key_value_heads,
-                           self.eps, committed=c, tables=tables, entry_add=depth - 2)
-            o = f.paged_attention(q, self.k, self.v, tables, c, depth - 1, self.scale, 1, width + k)
-            prev = self._layer_fused(x, o)
-            drafts.append(self._head_fused(prev))
-        return torch.stack(drafts, dim=1)
 
     def _stop(self, conf: torch.Tensor | None, j: int, counts: list[int], alive: list[bool]) -> bool:
         """Rows whose draft j is below min_confidence verify j drafts; True when no row is left."""
