@@ -287,24 +287,6 @@ class Delta(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    model_config = ConfigDict(extra="allow")  # final chunk: speculation, tool_call_errors
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

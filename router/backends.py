@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from specialists.deployment import Specialist, SpecialistOptions
+if TYPE_CHECKING:  # the router's HTTP side imports no torch: the engine loads only in local_specialists
+    from specialists.deployment import Specialist
 
 
 class SpecialistBackend(Protocol):
@@ -65,5 +66,7 @@ def local_specialists(names: list[str], models_dir: str | Path, tracer_provider:
                       **options: Any) -> dict[str, Specialist]:
     """In-process specialists (no Ray), one per name, loading `models_dir/<name>`; they warm up in
     their engine threads (see LocalBackend.wait_ready)."""
+    from specialists.deployment import Specialist, SpecialistOptions
+
     return {n: Specialist(SpecialistOptions(name=n, model_dir=str(Path(models_dir) / n), **options),
                           tracer_provider=tracer_provider) for n in names}

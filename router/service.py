@@ -42,8 +42,8 @@ from router.routing import AUTO, RouteDecision, Router, UnknownModelError
 from router.tool_stream import ToolCallStreamer
 from router.tools import ToolPlan, extract_tool_calls, plan_tools, to_template_messages
 from specialists.chat import render
-from specialists.deployment import GenerateEvent, GenerateRequest
 from specialists.telemetry import TRACER_NAME, inject_context
+from specialists.wire import GenerateEvent, GenerateRequest
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,11 @@ generation.
 Layout:
 * The engine runs in a background thread: `specialists.engine_loop.EngineLoop` (requests go in,
   `Admitted` / `Snapshot` / `Failed` items come back on an asyncio.Queue).
-* `GenerateRequest` / `GenerateEvent`: what the router sends and what comes back, as dicts;
-  `TextDeltas` turns cumulative snapshots into stream-safe text deltas.
-* Metrics: the `SpecialistMetrics` interface is in `specialists.metrics`; `specialists.serve_metrics`
-  (imported only from here: the engine side never imports Ray) reports them through ray.serve.metrics.
+* `GenerateRequest` / `GenerateEvent` (in the torch-free `specialists.wire`): what the router sends
+  and what comes back, as dicts; `TextDeltas` turns cumulative snapshots into stream-safe text deltas.
+* Metrics: the `SpecialistMetrics` interface is in `specialists.metrics`; `replica_metrics` (here, the
+  one place on the specialist side that imports Ray) hands ray.serve.metrics to
+  `specialists.serve_metrics.ServeMetrics` inside a Serve replica.
 * `Specialist`: plain Python (usable without Ray); `specialist_deployment()` wraps it with
   `serve.deployment`. Warm-up runs in the engine thread right after the model loads; until it is
   done `ready()` is False and `generate` answers with a 503 event. `reconfigure(user_config)` (Serve,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -34,9 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from policies.policy import SpeculationPolicy
 from specialists.engine_loop import EngineLoop, Failed, Snapshot, warm_up_engine
-from specialists.metrics import SpecialistMetrics
+from specialists.metrics import NullMetrics, SpecialistMetrics
 from specialists.sampling import SamplingParams
-from specialists.serve_metrics import serve_metrics_or_null
+from specialists.serve_metrics import ServeMetrics
 from specialists.telemetry import (
     TRACER_NAME,
     GenerationTimeline,
@@ -44,56 +46,12 @@ from specialists.telemetry import (
     record_generation_spans,
     tracer_provider_from_env,
 )
+from specialists.wire import GenerateEvent, GenerateRequest
 
 log = logging.getLogger(__name__)
 
 
 # ---- the request and its events ------------------------------------------------------------------
-
-
-class SpecialistNotReady(RuntimeError):
-    """The specialist has not finished warming up."""
-
-
-class GenerateRequest(BaseModel):
-    """What the router sends a specialist: the rendered prompt and sampling settings."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    request_id: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    trace_context: dict[str, str] = Field(default_factory=dict)
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop=list(self.stop))
-
-
-class GenerateEvent(BaseModel):
-    """One item of a specialist's stream (sent as a dict through the Serve handle).
-
-    start: admitted, `speculation` is the gate's status at admission;
-    text: `text` is new text, `completion_tokens` the tokens so far, `speculation` so far;
-    end: `finish_reason`, `speculation` (what the request used), token counts, engine `stats`;
-    error: `status` (400 bad request, 503 not ready, 500 engine error) and `message`.
-    """
-
-    type: Literal["start", "text", "end", "error"]
-    specialist: str
-    text: str = ""
-    speculation: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    stats: dict[str, Any] = Field(default_factory=dict)
-    status: int = 0
-    message: str = ""
 
 
 class TextDeltas:
@@ -123,6 +81,27 @@ def _suffix_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def sampling_params(req: GenerateRequest) -> SamplingParams:
+    """The engine's sampling parameters for a request (ValueError for a combination it refuses)."""
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                          seed=req.seed, stop=list(req.stop))
+
+
+def replica_metrics(name: str) -> SpecialistMetrics:
+    """Ray Serve metrics inside a replica; no-op metrics elsewhere (tests, scripts)."""
+    if "ray.serve" not in sys.modules:  # a replica has imported Serve long before it builds us
+        return NullMetrics()
+    try:
+        from ray import serve
+
+        serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - not in a Serve replica (or Ray not installed)
+        return NullMetrics()
+    from ray.serve import metrics
+
+    return ServeMetrics(name, metrics)
 
 
 # ---- the specialist ------------------------------------------------------------------------------
@@ -164,7 +143,7 @@ class Specialist:
             torch.set_num_threads(self.options.num_threads)
         self._provider = tracer_provider or tracer_provider_from_env(f"specialist:{self.name}")
         self._tracer = self._provider.get_tracer(TRACER_NAME)
-        self._metrics = metrics or serve_metrics_or_null(self.name)
+        self._metrics = metrics or replica_metrics(self.name)
         t0 = time.perf_counter()
         self.engine = Engine.from_pretrained(self.options.model_dir, device=self.options.device,
                                              dtype=_DTYPES[self.options.dtype], max_num_seqs=self.options.max_num_seqs,
@@ -212,19 +191,18 @@ class Specialist:
     def speculation_status(self) -> str:
         """What a request admitted now would use: the gate's status (a fallback whose cooldown is
         over probes, so it counts as on)."""
-        gate = getattr(self.engine, "gate", None)
-        if gate is None or getattr(self.engine, "drafter", None) is None:
+        if self.engine.drafter is None:
             return "off"
-        snap = gate.snapshot()
+        snap = self.engine.gate.snapshot()
         status = str(snap.get("status", "off"))
         if status == "fallback" and snap.get("probe_in_s") == 0.0:
             return "on"
         return status
 
     def _policy_dict(self) -> dict[str, Any]:
-        gate = getattr(self.engine, "gate", None)
-        return {"specialist": self.name, "policy": gate.policy.model_dump() if gate is not None else None,
-                "gate": gate.snapshot() if gate is not None else None, "speculation": self.speculation_status(),
+        gate = self.engine.gate
+        return {"specialist": self.name, "policy": gate.policy.model_dump(), "gate": gate.snapshot(),
+                "speculation": self.speculation_status(),
                 "pid": os.getpid(), "started_at": self.started_at}
 
     async def _apply(self, policy: SpeculationPolicy) -> dict[str, Any]:
@@ -251,8 +229,7 @@ class Specialist:
         return {"ok": True, "error": None, **view}
 
     async def metrics(self) -> dict[str, Any]:
-        fn = getattr(self.engine, "metrics", None)
-        return await self._loop.acall(fn) if fn is not None else await self._loop.acall(lambda: dict(self.engine.stats))
+        return await self._loop.acall(self.engine.metrics)
 
     # ---- generation --------------------------------------------------------------------------------
 
@@ -283,7 +260,7 @@ class Specialist:
         admission = self.speculation_status()
         span.set_attribute("cantata.speculation.admission", admission)
         try:
-            params = req.sampling_params()
+            params = sampling_params(req)
         except ValueError as exc:
             yield self._event("error", status=400, message=str(exc))
             return
@@ -296,7 +273,7 @@ class Specialist:
                 span.set_status(Status(StatusCode.ERROR, first.message))
                 yield self._event("error", status=first.status, message=first.message)
                 return
-            timeline.admitted_ns = getattr(first, "time_ns", None)
+            timeline.admitted_ns = first.time_ns
             yield self._event("start", speculation=admission)
             while last is None or not last.finished:
                 batch = [await items.get()]

@@ -17,10 +17,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from specialists.sampling import SamplingParams
-from specialists.telemetry import stats_dict
+
+if TYPE_CHECKING:
+    from specialists.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class EngineLoop:
     """Owns `engine` and steps it in a daemon thread named `engine-loop-{name}`; `request_error` is
     the engine's exception for a bad request (answered as a 400 `Failed`, not an engine error)."""
 
-    def __init__(self, engine: Any, name: str = "engine", request_error: type[Exception] = ValueError) -> None:
+    def __init__(self, engine: Engine, name: str = "engine", request_error: type[Exception] = ValueError) -> None:
         self.engine = engine
         self.name = name
         self._request_error = request_error
@@ -139,13 +141,11 @@ class EngineLoop:
         return sink.queue
 
     def abort(self, request_id: str) -> None:
-        """Stop delivering outputs of a request (and stop it, when the engine can)."""
+        """Stop delivering outputs of a request and stop it in the engine."""
 
         def drop() -> None:
             self._sinks.pop(request_id, None)
-            stop = getattr(self.engine, "abort", None) or getattr(self.engine, "abort_request", None)
-            if stop is not None:
-                stop(request_id)
+            self.engine.abort(request_id)
 
         if self.alive:
             self._post(drop)
@@ -204,19 +204,14 @@ class EngineLoop:
                 self._sinks.pop(out.request_id, None)
             if sink is None:
                 continue
-            stats = stats_dict(getattr(out, "stats", None)) if out.finished else {}
+            stats = out.stats.as_dict() if out.finished and out.stats is not None else {}
             sink.put(Snapshot(now, len(out.prompt_token_ids), len(out.token_ids), out.text, out.finish_reason, out.finished,
-                              str(getattr(out, "speculation", "off") or "off"), stats))
+                              out.speculation, stats))
 
 
-def warm_up_engine(engine: Any) -> float:
-    """Warm the engine before the replica reports ready: the engine's own `warmup` (decode and verify
-    shapes) when it has one, else a 4-token greedy generation. Returns the seconds it took. Call it
-    in the engine thread (`EngineLoop.call`)."""
+def warm_up_engine(engine: Engine) -> float:
+    """Warm the engine before the replica reports ready (`Engine.warmup`: decode and verify shapes).
+    Returns the seconds it took. Call it in the engine thread (`EngineLoop.call`)."""
     t0 = time.perf_counter()
-    warmup = getattr(engine, "warmup", None)
-    if warmup is not None:
-        warmup()
-    else:
-        engine.generate([[1, 1, 1, 1]], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.warmup()
     return time.perf_counter() - t0

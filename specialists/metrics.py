@@ -1,6 +1,6 @@
 """What a specialist reports per generation: the `SpecialistMetrics` interface and its no-op
 implementation for tests and scripts. The Ray Serve implementation (`ServeMetrics`) lives in
-`specialists.serve_metrics`, imported only by `specialists.deployment`."""
+`specialists.serve_metrics`, built only by `specialists.deployment` (which passes Ray's metric classes in)."""
 
 from __future__ import annotations
 

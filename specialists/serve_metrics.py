@@ -1,23 +1,22 @@
 """A specialist's metrics through ray.serve.metrics inside a Serve replica (exported with Ray's
-metrics): `ServeMetrics` implements `specialists.metrics.SpecialistMetrics`. Only
-specialists/deployment.py imports this module; the engine side never imports Ray."""
+metrics): `ServeMetrics` implements `specialists.metrics.SpecialistMetrics`. This module does not
+import Ray: `specialists.deployment.replica_metrics` (one of the two modules that may) passes the
+`ray.serve.metrics` module in."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from specialists.metrics import SPECULATION_STATUSES, NullMetrics, SpecialistMetrics
+from specialists.metrics import SPECULATION_STATUSES
 
 _LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 class ServeMetrics:
-    """Per-specialist metrics through ray.serve.metrics (exported with Ray's metrics)."""
+    """Per-specialist metrics through ray.serve.metrics (exported with Ray's metrics); `metrics` is that
+    module (its Histogram, Counter and Gauge classes)."""
 
-    def __init__(self, specialist: str) -> None:
-        from ray.serve import metrics
-
+    def __init__(self, specialist: str, metrics: Any) -> None:
         self.tags = {"specialist": specialist}
         keys = ("specialist",)
         self.ttft = metrics.Histogram("cantata_ttft_s", "Time to first token (s).", _LATENCY_BOUNDARIES, keys)
@@ -58,15 +57,3 @@ class ServeMetrics:
         for s in SPECULATION_STATUSES:
             self.status.set(1.0 if s == status else 0.0, {**self.tags, "status": s})
 
-
-def serve_metrics_or_null(name: str) -> SpecialistMetrics:
-    """Ray Serve metrics inside a replica; no-op metrics elsewhere (tests, scripts)."""
-    if "ray.serve" not in sys.modules:  # a replica has imported Serve long before it builds us
-        return NullMetrics()
-    try:
-        from ray import serve
-
-        serve.get_replica_context()
-    except Exception:  # noqa: BLE001 - not in a Serve replica (or Ray not installed)
-        return NullMetrics()
-    return ServeMetrics(name)

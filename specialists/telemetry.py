@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -159,17 +158,6 @@ def extract_context(carrier: Mapping[str, str] | None) -> otel_context.Context:
 def wall_ns_from_monotonic(t: float) -> int:
     """A time.monotonic() reading as wall-clock nanoseconds (what span timestamps use)."""
     return time.time_ns() - int((time.monotonic() - t) * 1e9)
-
-
-def stats_dict(stats: Any) -> dict[str, Any]:
-    """The engine's per-request statistics as a plain dict (whatever form they take)."""
-    if stats is None:
-        return {}
-    if hasattr(stats, "as_dict"):
-        return dict(stats.as_dict())
-    if dataclasses.is_dataclass(stats):
-        return dataclasses.asdict(stats)
-    return dict(stats) if isinstance(stats, Mapping) else {}
 
 
 @dataclass
