@@ -21,20 +21,14 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
-from specialists.chat import EOS_TOKEN, TOOL_CALL_OPEN, parse_tool_calls, render, tool_name, validate_arguments
+from specialists.chat import TOOL_CALL_OPEN, parse_tool_calls, render, tool_name, validate_arguments
+from specialists.train.hf_generate import Reply, generate
 
 log = logging.getLogger("bench.chat_eval")
-
-
-@dataclass
-class Reply:
-    text: str
-    ended: bool  # emitted <|im_end|> within the token budget
 
 
 def model_domain(model_dir: Path) -> str:
@@ -47,34 +41,6 @@ def model_domain(model_dir: Path) -> str:
         except (ValueError, AttributeError):
             log.warning("unreadable %s", meta)
     return model_dir.resolve().name
-
-
-def generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, batch_size: int,
-             desc: str = "generate") -> list[Reply]:
-    """Greedy, batched, left-padded generation that stops at <|im_end|>."""
-    import torch
-    from tqdm import tqdm
-
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    tokenizer.padding_side = "left"
-    limit = getattr(model.config, "max_position_embeddings", None) or 1024
-    replies: list[Reply] = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, file=sys.stderr):
-        batch = prompts[start: start + batch_size]
-        max_prompt = max(1, limit - max_new_tokens)
-        enc = tokenizer(batch, add_special_tokens=False, return_tensors="pt", padding=True,
-                        truncation=True, max_length=max_prompt)
-        with torch.no_grad():
-            out = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id,
-            )
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            ended = eos_id in row
-            if ended:
-                row = row[: row.index(eos_id) + 1]
-            replies.append(Reply(tokenizer.decode(row, skip_special_tokens=False), ended))
-    return replies
 
 
 def score_tool_call(reply: str, tools: list[dict[str, Any]], expected: dict[str, Any]) -> tuple[bool, bool]:

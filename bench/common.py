@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
+
+from specialists.provenance import git_commit
+
+__all__ = ["checkpoint_id", "device_name", "git_commit", "read_jsonl", "record"]
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
@@ -21,19 +23,6 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
                 if limit is not None and len(rows) >= limit:
                     break
     return rows
-
-
-def git_commit() -> str:
-    """CANTATA_COMMIT when set (a GPU lease gets a copy of the tree whose .git may be stale), else
-    HEAD, with "+dirty" when tracked files differ from it."""
-    if os.environ.get("CANTATA_COMMIT"):
-        return os.environ["CANTATA_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True).returncode != 0
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def device_name(device: str) -> str:

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from tqdm import tqdm
 
 from router.classifier import ContentClassifier, FeatureConfig, FeatureHasher
 from router.routing import request_parts
+from specialists.provenance import git_commit
 
 log = logging.getLogger("router.train")
 
@@ -251,13 +251,6 @@ def _files_sha256(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def train(cfg: TrainConfig) -> tuple[ContentClassifier, dict[str, Any]]:
     """Build the examples, fit, keep the best validation epoch; returns the classifier and its report."""
     t0 = time.perf_counter()
@@ -321,7 +314,7 @@ def train(cfg: TrainConfig) -> tuple[ContentClassifier, dict[str, Any]]:
         "config": cfg.model_dump(mode="json", exclude={"corpora", "chat", "out", "features"}),
         "corpora": str(cfg.corpora), "chat": None if cfg.chat is None else str(cfg.chat),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(), "train_seconds": round(time.perf_counter() - t0, 1),
+        "commit": git_commit(), "train_seconds": round(time.perf_counter() - t0, 1),
     }
     weight = model.weight.detach().numpy()  # [buckets, C]
     clf = ContentClassifier(list(cfg.labels), weight, model.bias.detach().numpy(), cfg.features, report)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,17 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specialists.models.mtp import load_drafter, save_drafter
+from specialists.provenance import git_commit
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def commit() -> str:
-    if os.environ.get("CANTATA_COMMIT"):
-        return os.environ["CANTATA_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def provenance(run: Path, packed: Path, domain: str) -> dict:
@@ -45,7 +35,7 @@ def provenance(run: Path, packed: Path, domain: str) -> dict:
         "domain": domain,
         "family": backbone["family"],
         "preset": backbone["preset"],
-        "commit": commit(),
+        "commit": git_commit(),
         "device": backbone["device"],
         "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "corpus_sha256": manifest.get("corpus_sha256"),

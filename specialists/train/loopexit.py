@@ -78,7 +78,7 @@ def generate_replies(model_dir: Path, rows: list[dict], out: Path, max_new_token
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.chat_eval import generate
+    from specialists.train.hf_generate import generate
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
