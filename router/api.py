@@ -2,7 +2,8 @@
 HTTP layer turns into OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
 
 Requests ignore fields they do not know (the official client sends new fields over time); fields
-that change the meaning of a request and are not supported (n > 1, logprobs) are refused with 400.
+that change the meaning of a request and are not supported (n > 1, logprobs, logit_bias, penalties,
+response_format, ...: router/request_guard.py) are refused with 400 by name. Types are strict.
 Responses carry a few extra fields, which the openai client keeps as extras:
 `message.tool_call_errors` (tool calls whose arguments do not fit the tool's schema), and on the
 final streamed chunk `speculation` (what the request actually used).
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import json
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator, model_validator
 
 # ---- errors --------------------------------------------------------------------------------------
 
@@ -165,29 +166,53 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+StrictFloat = Annotated[float, Strict()]  # a JSON number (an integer is a number too); never a string
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A chat request. Types are strict (`"stream": "yes"`, `"temperature": "0.5"`, `"max_tokens": true`
+    are refused, not coerced). Unknown fields are kept in `model_extra` and ignored, except the
+    ones router/request_guard.py refuses by name; the typed fields from `top_logprobs` down are
+    declared so that they are checked, and are refused unless they ask for the default."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    stream: bool = False
+    parallel_tool_calls: StrictBool | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # extension (vLLM style)
-    seed: int | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=0)  # extension (vLLM style)
+    seed: StrictInt | None = None  # range checked in request_guard (a 400 naming seed)
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
+    n: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
     user: str | None = None
+    # accepted only at their defaults (router/request_guard.py)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logit_bias: dict[str, StrictFloat] | None = None
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    best_of: StrictInt | None = Field(None, ge=1)
+    echo: StrictBool | None = None
 
     @field_validator("stop")
     @classmethod

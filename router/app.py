@@ -20,10 +20,14 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
+from ray.exceptions import LocalRayletDiedError, NodeDiedError, RayActorError, TaskCancelledError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from router.backends import BackendUnavailable
 from router.classifier import ContentClassifier
 from router.http import build_http_app
+from router.limits import RequestLimits
 from router.routing import AUTO, Router
 from router.service import ChatService, ServiceSettings
 from specialists.deployment import SpecialistOptions, specialist_deployment
@@ -62,6 +66,7 @@ class AppArgs(BaseModel):
     default_max_tokens: int = Field(256, ge=1)
     default_temperature: float = Field(0.0, ge=0.0, le=2.0)
     admin_token_env: str = "CANTATA_ADMIN_TOKEN"
+    limits: RequestLimits = Field(default_factory=RequestLimits)  # body size/timeout, tool schemas (router/limits.py)
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
@@ -78,7 +83,7 @@ class AppArgs(BaseModel):
 
     def settings(self) -> ServiceSettings:
         return ServiceSettings(default_max_tokens=self.default_max_tokens,
-                               default_temperature=self.default_temperature)
+                               default_temperature=self.default_temperature, limits=self.limits)
 
 
 def load_router(args: AppArgs) -> Router:
@@ -93,31 +98,60 @@ def load_router(args: AppArgs) -> Router:
 
 
 class HandleBackend:
-    """A specialist deployment behind a Serve handle (the router's SpecialistBackend)."""
+    """A specialist deployment behind a Serve handle (the router's SpecialistBackend). Ray's errors
+    stop here: a dead, unreachable, overloaded or cancelled replica is raised as BackendUnavailable."""
 
     def __init__(self, name: str, handle: DeploymentHandle) -> None:
         self.name = name
         self.handle = handle
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        stream = self.handle.options(stream=True).generate.remote(request)
         done = False
+        stream = None
         try:
+            stream = self.handle.options(stream=True).generate.remote(request)
             async for event in stream:
                 yield event
             done = True
+        except RAY_UNAVAILABLE as exc:
+            raise unavailable(self.name, exc) from exc
         finally:
-            if not done:
+            if not done and stream is not None:
                 stream.cancel()
 
     async def ready(self, timeout_s: float) -> bool:
-        return bool(await asyncio.wait_for(self.handle.ready.remote(), timeout_s))
+        try:
+            return bool(await asyncio.wait_for(self.handle.ready.remote(), timeout_s))
+        except RAY_UNAVAILABLE as exc:
+            raise unavailable(self.name, exc) from exc
 
     async def get_policy(self) -> dict[str, Any]:
-        return await self.handle.get_policy.remote()
+        try:
+            return await self.handle.get_policy.remote()
+        except RAY_UNAVAILABLE as exc:
+            raise unavailable(self.name, exc) from exc
 
     async def set_policy(self, policy: dict[str, Any]) -> dict[str, Any]:
-        return await self.handle.set_policy.remote(policy)
+        try:
+            return await self.handle.set_policy.remote(policy)
+        except RAY_UNAVAILABLE as exc:
+            raise unavailable(self.name, exc) from exc
+
+
+# Ray's errors for "the replica cannot answer", mapped to ours at this edge (the service sees no Ray).
+_GONE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, DeploymentUnavailableError,
+         ReplicaUnavailableError)  # RayActorError covers ActorDiedError and ActorUnavailableError
+RAY_UNAVAILABLE = (*_GONE, BackPressureError, TaskCancelledError)  # RequestCancelledError is a TaskCancelledError
+
+
+def unavailable(name: str, exc: BaseException) -> BackendUnavailable:
+    """Our error for one of RAY_UNAVAILABLE: a replica that died or cannot be reached restarts
+    (Serve replaces it); back pressure and cancellation do not."""
+    if isinstance(exc, BackPressureError):
+        return BackendUnavailable(name, "overloaded", type(exc).__name__, restarts=False)
+    if isinstance(exc, TaskCancelledError):
+        return BackendUnavailable(name, "cancelled", type(exc).__name__, restarts=False)
+    return BackendUnavailable(name, "replica_died", type(exc).__name__, restarts=True)
 
 
 @serve.ingress()

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import admin_router
 from router.api import APIError, ChatCompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList, NotFoundError
+from router.limits import BodyLimitMiddleware
 from router.service import ChatService
 from specialists.telemetry import extract_context
 
@@ -83,6 +84,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def build_http_app(service: ChatService, admin_token: str | None = None) -> FastAPI:
     app = _fastapi()
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limits=service.settings.limits)  # 413 / 408 before the body is parsed
     tracer = service.tracer
 
     @app.get("/health")

@@ -37,10 +37,13 @@ from router.api import (
     Usage,
     completion_id,
 )
-from router.backends import SpecialistBackend
+from router.backends import BackendUnavailable, SpecialistBackend
+from router.limits import RequestLimits
+from router.request_guard import check_request
+from router.recovery import Recovery
 from router.routing import AUTO, RouteDecision, Router, UnknownModelError
 from router.tool_stream import ToolCallStreamer
-from router.tools import ToolPlan, extract_tool_calls, plan_tools, to_template_messages
+from router.tools import ToolPlan, extract_tool_calls_off_loop, plan_tools, to_template_messages
 from specialists.chat import render
 from specialists.telemetry import TRACER_NAME, inject_context
 from specialists.wire import GenerateEvent, GenerateRequest
@@ -53,6 +56,8 @@ class ServiceSettings(BaseModel):
     default_temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy unless asked (tiny models)
     ready_timeout_s: float = Field(2.0, gt=0.0)
     retry_after_s: int = Field(5, ge=1)
+    recovery_wait_s: float = Field(15.0, ge=0.0)  # how long a request waits for a dead replica's restart
+    limits: RequestLimits = Field(default_factory=RequestLimits)  # router/limits.py
 
 
 @dataclass
@@ -64,6 +69,7 @@ class Prepared:
     backend: SpecialistBackend
     completion_id: str
     created: int
+    attempts: int = 0  # sends to the specialist so far (a second one only after its replica died)
 
 
 @dataclass
@@ -108,6 +114,7 @@ class ChatService:
         self.tracer_provider = tracer_provider
         self.created = int(time.time())
         self._ready: set[str] = set()
+        self.recovery = Recovery(self._probe, self.settings.recovery_wait_s, self.settings.retry_after_s)
 
     # ---- models and readiness --------------------------------------------------------------------
 
@@ -160,10 +167,7 @@ class ChatService:
         return decision
 
     async def prepare(self, req: ChatCompletionRequest, parent: otel_context.Context) -> Prepared:
-        if req.n not in (None, 1):
-            raise BadRequestError("only n=1 is supported", param="n")
-        if req.logprobs:
-            raise BadRequestError("logprobs are not supported", param="logprobs")
+        check_request(req, self.settings.limits)  # unsupported parameters, seed, surrogates, schemas
         plan = plan_tools(req)
         messages = to_template_messages(req.messages)
         decision = self._route(req, parent)
@@ -188,26 +192,13 @@ class ChatService:
         return {"x-cantata-specialist": p.decision.specialist,
                 "x-cantata-route-confidence": f"{p.decision.confidence:.4f}",
                 "x-cantata-route-reason": p.decision.reason,
-                "x-speculation": speculation,
-                "x-request-id": p.completion_id}
+                "x-speculation": speculation}
 
     async def complete(self, req: ChatCompletionRequest, parent: otel_context.Context) -> Completed:
         """A non-streaming chat completion."""
         p = await self.prepare(req, parent)
-        text = p.plan.forced_prefix
-        end: GenerateEvent | None = None
-        async for raw in p.backend.generate(p.generate.model_dump()):
-            event = GenerateEvent.model_validate(raw)
-            if event.type == "error":
-                self._note_error(event)
-                raise error_from_event(event)
-            if event.type == "text":
-                text += event.text
-            elif event.type == "end":
-                end = event
-        if end is None:
-            raise InternalError("the specialist ended without a result")
-        extracted = extract_tool_calls(text, p.plan)
+        text, end = await self._collect(p)
+        extracted = await extract_tool_calls_off_loop(text, p.plan)
         finish = "tool_calls" if extracted.calls else ("length" if end.finish_reason == "length" else "stop")
         message = ResponseMessage(content=extracted.content, tool_calls=extracted.calls or None,
                                   tool_call_errors=extracted.errors or None)
@@ -228,21 +219,85 @@ class ChatService:
         """A streaming chat completion: the specialist has admitted the request when this returns
         (errors before that are raised here, as HTTP errors); the chunks follow."""
         p = await self.prepare(req, parent)
-        events = p.backend.generate(p.generate.model_dump()).__aiter__()
+        events, first = await self._admit(p)
+        return OpenedStream(self.headers(p, first.speculation or "off"), self._chunks(p, first, events))
+
+    # ---- the specialist's events, with one retry after a replica's death (router/recovery.py) ------
+
+    def _send(self, p: Prepared) -> AsyncIterator[dict[str, Any]]:
+        """Send the request to its specialist; a retry gets a request id of its own."""
+        gen = p.generate.model_copy(update={"request_id": f"{p.completion_id}-{p.attempts}"}) if p.attempts else p.generate
+        p.attempts += 1
+        return p.backend.generate(gen.model_dump()).__aiter__()
+
+    async def _before_retry(self, p: Prepared, exc: BackendUnavailable, produced: bool = False) -> None:
+        """Return when the request may be sent again; else raise the client's 503."""
+        self._ready.discard(exc.specialist)
+        if produced or p.attempts > 1:
+            raise self.recovery.error(exc) from None
+        await self.recovery.before_retry(exc)
+
+    async def _collect(self, p: Prepared) -> tuple[str, GenerateEvent]:
+        """A non-streamed answer: the text (forced prefix first) and the end event. Nothing has
+        reached the client, so a replica's death is retried once."""
+        text, end = p.plan.forced_prefix, None
+        try:
+            async for raw in self._send(p):
+                event = GenerateEvent.model_validate(raw)
+                if event.type == "error":
+                    self._note_error(event)
+                    raise error_from_event(event)
+                if event.type == "text":
+                    text += event.text
+                elif event.type == "end":
+                    end = event
+        except BackendUnavailable as exc:
+            await self._before_retry(p, exc)
+            return await self._collect(p)
+        if end is None:
+            raise InternalError("the specialist ended without a result")
+        return text, end
+
+    async def _admit(self, p: Prepared) -> tuple[AsyncIterator[dict[str, Any]], GenerateEvent]:
+        """Send a streamed request and wait for its first event (admission, or an error raised here)."""
+        events = self._send(p)
         try:
             first = GenerateEvent.model_validate(await events.__anext__())
         except StopAsyncIteration:
             raise InternalError("the specialist ended without a result") from None
+        except BackendUnavailable as exc:
+            await self._before_retry(p, exc)
+            return await self._admit(p)
         if first.type == "error":
             self._note_error(first)
             await _aclose(events)
             raise error_from_event(first)
-        return OpenedStream(self.headers(p, first.speculation or "off"), self._chunks(p, first, events))
+        return events, first
+
+    async def _resilient(self, p: Prepared, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[GenerateEvent]:
+        """The stream's events after admission. If the replica dies before any text, the request
+        is sent once more (the client has seen only the role chunk); after text, or when the
+        retry cannot be made, ServiceUnavailableError is raised (the caller sends an error event)."""
+        produced = False
+        try:
+            while True:
+                try:
+                    async for raw in events:
+                        event = GenerateEvent.model_validate(raw)
+                        produced = produced or event.type == "text"
+                        yield event
+                    return
+                except BackendUnavailable as exc:
+                    await self._before_retry(p, exc, produced)
+                    events = self._send(p)
+        finally:
+            await _aclose(events)
 
     async def _chunks(self, p: Prepared, first: GenerateEvent, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         include_usage = bool(p.request.stream_options and p.request.stream_options.include_usage)
         streamer = ToolCallStreamer(p.plan)
         end: GenerateEvent | None = first if first.type == "end" else None
+        resilient = self._resilient(p, events)
 
         def chunk(delta: Delta | None, finish: str | None = None, **extra: Any) -> str:
             data: dict[str, Any] = {"id": p.completion_id, "object": "chat.completion.chunk", "created": p.created,
@@ -256,25 +311,23 @@ class ChatService:
 
         try:
             yield chunk(Delta(role="assistant", content=""))
-            for delta in streamer.feed(p.plan.forced_prefix):
+            for delta in await streamer.afeed(p.plan.forced_prefix):
                 yield chunk(delta)
-            async for raw in events:
-                event = GenerateEvent.model_validate(raw)
+            async for event in resilient:
                 if event.type == "error":
                     self._note_error(event)
-                    err = error_from_event(event)
-                    yield sse(err.body())
+                    yield sse(error_from_event(event).body())
+                    yield sse("[DONE]")
                     return
                 if event.type == "text":
-                    for delta in streamer.feed(event.text):
+                    for delta in await streamer.afeed(event.text):
                         yield chunk(delta)
                 elif event.type == "end":
                     end = event
-            for delta in streamer.finish():
+            for delta in await streamer.afinish():
                 yield chunk(delta)
             if end is None:
-                yield sse(InternalError("the specialist ended without a result").body())
-                return
+                raise InternalError("the specialist ended without a result")
             finish = "tool_calls" if streamer.calls else ("length" if end.finish_reason == "length" else "stop")
             extra: dict[str, Any] = {"speculation": end.speculation}
             if streamer.errors:
@@ -286,8 +339,11 @@ class ChatService:
                 yield sse({"id": p.completion_id, "object": "chat.completion.chunk", "created": p.created,
                            "model": p.decision.specialist, "choices": [], "usage": usage.model_dump()})
             yield sse("[DONE]")
+        except APIError as err:  # a replica that died mid-stream (or no end): an error event, then [DONE]
+            yield sse(err.body())
+            yield sse("[DONE]")
         finally:
-            await _aclose(events)
+            await _aclose(resilient)
 
     def _note_error(self, event: GenerateEvent) -> None:
         if event.status == 503:

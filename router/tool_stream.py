@@ -4,6 +4,8 @@ content and tool-call deltas. Calls go through `router.tools.convert_call`, as a
 
 from __future__ import annotations
 
+import asyncio
+
 from router.api import Delta, DeltaFunctionCall, DeltaToolCall, ResponseToolCall, ToolCallError
 from router.tools import ToolPlan, convert_call
 from specialists.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedToolCall, parse_tool_calls
@@ -49,6 +51,19 @@ class ToolCallStreamer:
             out += deltas
         self._buf, self._in_call = "", False
         return out
+
+    async def afeed(self, text: str) -> list[Delta]:
+        """`feed`, run in a worker thread when it may complete a call (whose arguments are then
+        validated against a client's schema), so the event loop never waits on a validation."""
+        if self.plan.parse_calls and self.plan.schemas and TOOL_CALL_CLOSE in self._buf[-len(TOOL_CALL_CLOSE):] + text:
+            return await asyncio.to_thread(self.feed, text)
+        return self.feed(text)
+
+    async def afinish(self) -> list[Delta]:
+        """`finish`, in a worker thread when tools are parsed (see `afeed`)."""
+        if self.plan.parse_calls and self.plan.schemas:
+            return await asyncio.to_thread(self.finish)
+        return self.finish()
 
     @property
     def finish_reason_override(self) -> str | None:

@@ -16,6 +16,7 @@ extraction from generated text (streaming tool-call deltas: router/tool_stream.p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -297,6 +298,14 @@ class ExtractedCalls:
     content: str | None
     calls: list[ResponseToolCall]
     errors: list[ToolCallError]
+
+
+async def extract_tool_calls_off_loop(text: str, plan: ToolPlan) -> ExtractedCalls:
+    """`extract_tool_calls` in a worker thread when calls are validated against client schemas
+    (bounded, but not instant: specialists/json_schema.py), so the event loop never waits on one."""
+    if plan.parse_calls and plan.schemas and TOOL_CALL_OPEN in text:
+        return await asyncio.to_thread(extract_tool_calls, text, plan)
+    return extract_tool_calls(text, plan)
 
 
 def extract_tool_calls(text: str, plan: ToolPlan) -> ExtractedCalls:

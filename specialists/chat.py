@@ -241,21 +241,26 @@ def parameters_schema(schema: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def validate_arguments(arguments: Any, schema: Mapping[str, Any]) -> str | None:
-    """Check tool-call arguments against a tool's schema; return an error message or None if valid."""
+    """Check tool-call arguments against a tool's schema; return an error message or None if valid.
+
+    The schema is untrusted data (specialists/json_schema.py): only references inside it resolve,
+    nothing is fetched or read, and patterns and references run under a time budget."""
     import jsonschema
+
+    from specialists.json_schema import SchemaBudgetExceeded, validate_with_budget
 
     if arguments is None:
         return "arguments missing"
     params = parameters_schema(schema)
     try:
-        validator_cls = jsonschema.validators.validator_for(params)
-        validator_cls.check_schema(params)
-        error = jsonschema.exceptions.best_match(validator_cls(params).iter_errors(arguments))
+        return validate_with_budget(arguments, params)
     except jsonschema.exceptions.SchemaError as exc:
         return f"invalid schema: {exc.message}"
+    except SchemaBudgetExceeded as exc:
+        return f"validation gave up: {exc}"
+    except jsonschema.exceptions._WrappedReferencingError as exc:  # noqa: SLF001 - no public name for it
+        return f"invalid schema: unresolvable reference {str(exc.__cause__ or exc)[:200]}"
+    except RecursionError:
+        return "invalid schema: its references recurse without end"
     except Exception as exc:  # noqa: BLE001 - validation must never crash the caller
-        return f"validation failed: {exc}"
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"{where}: {error.message}" if where else error.message
+        return f"validation failed: {type(exc).__name__}"

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from policies.policy import SpeculationPolicy
 from specialists.engine_loop import EngineLoop, Failed, Snapshot, warm_up_engine
 from specialists.metrics import NullMetrics, SpecialistMetrics
+from specialists.prompt_guard import PromptEncoder, PromptTooLong
 from specialists.sampling import SamplingParams
 from specialists.serve_metrics import ServeMetrics
 from specialists.telemetry import (
@@ -150,6 +151,7 @@ class Specialist:
                                              max_model_len=self.options.max_model_len)
         log.info("%s: loaded %s in %.1f s", self.name, self.options.model_dir, time.perf_counter() - t0)
         self._loop = EngineLoop(self.engine, self.name, RequestError)
+        self._encoder = PromptEncoder(self.engine.tokenizer, self.engine.cfg.max_model_len, self.name)
         self._warm = threading.Event()
         self._warmup_error: BaseException | None = None
         if self.options.warmup:
@@ -264,7 +266,15 @@ class Specialist:
         except ValueError as exc:
             yield self._event("error", status=400, message=str(exc))
             return
-        items = self._loop.submit(req.prompt, params, req.request_id)
+        try:  # tokenized here, after a length bound, never on the engine thread
+            ids = await self._encoder.encode_async(req.prompt)
+        except PromptTooLong as exc:
+            yield self._event("error", status=400, message=str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - text the tokenizer cannot take is the request's fault
+            yield self._event("error", status=400, message=f"cannot tokenize the prompt: {type(exc).__name__}")
+            return
+        items = self._loop.submit(ids, params, req.request_id)
         deltas = TextDeltas(req.stop)
         last: Snapshot | None = None
         try:
@@ -316,6 +326,7 @@ class Specialist:
 
     def shutdown(self) -> None:
         self._loop.stop()
+        self._encoder.close()
         self._provider.shutdown()
 
     def __del__(self) -> None:

@@ -3,7 +3,9 @@
 * `tracer_provider_from_env(component)`: exporters from the standard OTEL_* variables.
   OTEL_TRACES_EXPORTER (comma list of otlp | console | file | none) wins; when it is unset, OTLP over
   HTTP is used if OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set, else
-  one JSON line per span is appended to CANTATA_TRACE_FILE (default `<tmp>/cantata/traces.jsonl`).
+  one JSON line per span is appended to CANTATA_TRACE_FILE (default `<tmp>/cantata/traces.jsonl`),
+  rotated by size (CANTATA_TRACE_FILE_MAX_BYTES, default 64 MiB; CANTATA_TRACE_FILE_BACKUPS, default 3).
+  Attribute values are capped at OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT characters (default 1024).
   The sampler comes from OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (the SDK reads them).
   Providers are built by the objects that use them (in __init__), never at import.
 * `inject_context` / `extract_context`: W3C trace context in a plain dict, carried in the request
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -28,7 +31,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -41,6 +44,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "cantata"
+
+
+DEFAULT_ATTRIBUTE_VALUE_LENGTH = 1024  # characters, when OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT is unset
+DEFAULT_TRACE_FILE_MAX_BYTES = 64 * 1024 * 1024  # CANTATA_TRACE_FILE_MAX_BYTES
+DEFAULT_TRACE_FILE_BACKUPS = 3  # CANTATA_TRACE_FILE_BACKUPS
 
 
 class TelemetryConfigError(ValueError):
@@ -71,27 +79,55 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
 
 
 class JsonlSpanExporter(SpanExporter):
-    """Appends one JSON object per finished span to a file. Each line is one O_APPEND write, so
-    several processes (router, specialists) can share the file."""
+    """Appends one JSON object per finished span to a file, rotating it by size: when a write would
+    take the file past `max_bytes`, it becomes `<file>.1` (`.1` becomes `.2`, ... up to `backups`;
+    the oldest is dropped). Several processes (router, specialists) share the file: each write is one
+    O_APPEND write, and the size check, rotation and write happen under an flock on `<file>.lock`."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_TRACE_FILE_MAX_BYTES,
+                 backups: int = DEFAULT_TRACE_FILE_BACKUPS) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max(1, int(max_bytes))
+        self.backups = max(0, int(backups))
         self._lock = threading.Lock()
+        self._lock_path = self.path.with_name(self.path.name + ".lock")
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         data = "".join(json.dumps(span_to_dict(s), default=str) + "\n" for s in spans).encode()
         try:
             with self._lock:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                lock_fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
                 try:
-                    os.write(fd, data)
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                    self._rotate_if_full(len(data))
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    try:
+                        os.write(fd, data)
+                    finally:
+                        os.close(fd)
                 finally:
-                    os.close(fd)
+                    os.close(lock_fd)  # releases the flock
         except OSError as exc:
             log.warning("cannot write spans to %s: %s", self.path, exc)
             return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
+
+    def _rotate_if_full(self, incoming: int) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == 0 or size + incoming <= self.max_bytes:
+            return
+        if self.backups == 0:
+            self.path.unlink(missing_ok=True)
+            return
+        for i in range(self.backups - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
 
     def shutdown(self) -> None:
         return None
@@ -110,12 +146,31 @@ def _exporter_names(env: Mapping[str, str]) -> list[str]:
     return ["file"]
 
 
+def _int_env(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise TelemetryConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def span_limits_from_env(env: Mapping[str, str]) -> SpanLimits:
+    """The SDK's span limits, with attribute values capped at OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT,
+    else OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, else 1024 characters (the SDK's own default is no cap:
+    one request with a 1 MB `model` would write megabytes of spans)."""
+    length = _int_env(env, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", DEFAULT_ATTRIBUTE_VALUE_LENGTH)
+    span_length = _int_env(env, "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", length)
+    return SpanLimits(max_attribute_length=length, max_span_attribute_length=span_length)
+
+
 def tracer_provider_from_env(component: str, env: Mapping[str, str] | None = None) -> TracerProvider:
     """A TracerProvider for one process part ("router", "specialist:cpp"), exporters from env."""
     env = os.environ if env is None else env
     resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "cantata"),
                                 "cantata.component": component})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, span_limits=span_limits_from_env(env))
     for name in _exporter_names(env):
         if name == "none":
             continue
@@ -130,7 +185,10 @@ def tracer_provider_from_env(component: str, env: Mapping[str, str] | None = Non
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         elif name == "file":
             path = Path(env.get("CANTATA_TRACE_FILE") or default_trace_file())
-            provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
+            exporter = JsonlSpanExporter(
+                path, _int_env(env, "CANTATA_TRACE_FILE_MAX_BYTES", DEFAULT_TRACE_FILE_MAX_BYTES) or 1,
+                _int_env(env, "CANTATA_TRACE_FILE_BACKUPS", DEFAULT_TRACE_FILE_BACKUPS) or 0)
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
             log.info("%s: spans go to %s", component, path)
         else:
             raise TelemetryConfigError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (otlp, console, file, none)")
