@@ -18,11 +18,26 @@ if TYPE_CHECKING:  # the router's HTTP side imports no torch: the engine loads o
     from specialists.deployment import Specialist
 
 
+class BackendUnavailable(RuntimeError):
+    """A specialist cannot run the request: its replica died or is unreachable (`reason`
+    "replica_died"), it is overloaded ("overloaded"), or the call was cancelled ("cancelled").
+    Backends raise it instead of their transport's errors (router/app.py maps Ray's), so the
+    service sees one type. `restarts`: the deployment will come back (a request that produced
+    nothing may be sent again once it is ready)."""
+
+    def __init__(self, specialist: str, reason: str, detail: str = "", *, restarts: bool) -> None:
+        super().__init__(f"specialist {specialist!r} unavailable ({reason}){': ' + detail if detail else ''}")
+        self.specialist = specialist
+        self.reason = reason
+        self.restarts = restarts
+
+
 class SpecialistBackend(Protocol):
     name: str
 
     def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """GenerateEvent dicts: start, text..., end, or one error."""
+        """GenerateEvent dicts: start, text..., end, or one error; raises BackendUnavailable when
+        the specialist's process is gone or cannot take the request."""
         ...
 
     async def ready(self, timeout_s: float) -> bool:

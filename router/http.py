@@ -29,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.admin import admin_router
 from router.api import APIError, ChatCompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList, NotFoundError
 from router.limits import BodyLimitMiddleware
+from router.backends import BackendUnavailable
+from router.request_id import RequestIdMiddleware, request_id_of
 from router.service import ChatService
 from specialists.telemetry import extract_context
 
@@ -75,16 +77,24 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(BackendUnavailable)
+    async def unavailable(_: Request, exc: BackendUnavailable) -> JSONResponse:  # e.g. an admin call to a dead replica
+        return _error_response(503, str(exc), "service_unavailable", code=f"specialist_{exc.reason}",
+                               headers={"Retry-After": "5"})
+
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return _error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
-def build_http_app(service: ChatService, admin_token: str | None = None) -> FastAPI:
+def build_http_app(service: ChatService, admin_token: str | None = None, request_ids: bool = True) -> FastAPI:
+    """The app. `request_ids`: set and echo x-request-id here (False under Serve, whose proxy does it)."""
     app = _fastapi()
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limits=service.settings.limits)  # 413 / 408 before the body is parsed
+    if request_ids:
+        app.add_middleware(RequestIdMiddleware)  # router/request_id.py
     tracer = service.tracer
 
     @app.get("/health")
@@ -113,7 +123,8 @@ def build_http_app(service: ChatService, admin_token: str | None = None) -> Fast
         span = tracer.start_span(f"POST {CHAT_ROUTE}", context=parent, kind=SpanKind.SERVER,
                                  attributes={"http.request.method": "POST", "http.route": CHAT_ROUTE,
                                              "url.path": request.url.path, "cantata.model": body.model,
-                                             "cantata.stream": body.stream})
+                                             "cantata.stream": body.stream,
+                                             "http.request.header.x-request-id": request_id_of(request.headers)})
         ctx = trace.set_span_in_context(span, parent)
         trace_id = f"{span.get_span_context().trace_id:032x}"
         try:
