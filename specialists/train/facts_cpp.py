@@ -108,38 +108,52 @@ def extract_cpp_symbols(path: str, text: str) -> list[CppSymbol]:
             i += 1
             continue
         if stripped and last_comment_end >= i - 1 and last_comment and not stripped.startswith("#"):
-            # declaration following a comment: gather up to ; or { (at most 4 lines)
-            decl_lines = [stripped]
-            k = i
-            while not re.search(r"[;{]", _strip_code(decl_lines[-1])) and k + 1 < len(lines) and len(decl_lines) < 4:
-                k += 1
-                decl_lines.append(lines[k].strip())
-            decl = " ".join(decl_lines)
-            decl = re.split(r"(?<=[;{])", decl)[0].rstrip("{").strip()
-            named = _cpp_decl_name(decl)
-            doc = _clean_comment(last_comment)
-            if named and doc and len(doc) >= 15 and not _is_license(doc):
-                kind, name = named
-                if not name.startswith("_") and not name.startswith("~"):
-                    parts = [s for s in scope if s and not s.startswith("_")]
-                    symbols.append(CppSymbol("::".join(parts + [name]), kind, re.sub(r"\s+", " ", decl)[:200], doc))
+            symbol = _documented_symbol(lines, i, last_comment, scope)
+            if symbol is not None:
+                symbols.append(symbol)
             last_comment = []
-        # scope tracking
-        code = _strip_code(line)
-        m = _SCOPE_RE.match(code)
-        if m and ";" not in code.split("{", 1)[0]:
-            pending = m.group(1)
-        for ch in code:
-            if ch == "{":
-                scope.append(pending)
-                pending = None
-            elif ch == "}":
-                if scope:
-                    scope.pop()
-            elif ch == ";" and pending is not None and "{" not in code:
-                pending = None
+        pending = _track_scope(_strip_code(line), scope, pending)
         i += 1
     return symbols
+
+
+def _documented_symbol(lines: list[str], i: int, comment: list[str], scope: list[str | None]) -> CppSymbol | None:
+    """The declaration starting at line `i` right after `comment`, gathered up to ; or { (at most 4
+    lines), as a symbol in `scope` when it is named, public and documented."""
+    decl_lines = [lines[i].strip()]
+    k = i
+    while not re.search(r"[;{]", _strip_code(decl_lines[-1])) and k + 1 < len(lines) and len(decl_lines) < 4:
+        k += 1
+        decl_lines.append(lines[k].strip())
+    decl = " ".join(decl_lines)
+    decl = re.split(r"(?<=[;{])", decl)[0].rstrip("{").strip()
+    named = _cpp_decl_name(decl)
+    doc = _clean_comment(comment)
+    if named and doc and len(doc) >= 15 and not _is_license(doc):
+        kind, name = named
+        if not name.startswith("_") and not name.startswith("~"):
+            parts = [s for s in scope if s and not s.startswith("_")]
+            return CppSymbol("::".join(parts + [name]), kind, re.sub(r"\s+", " ", decl)[:200], doc)
+    return None
+
+
+def _track_scope(code: str, scope: list[str | None], pending: str | None) -> str | None:
+    """Follow the braces of one line of code (comments and literals stripped): push the name of a
+    class, struct, union or namespace it opens (None for other braces), pop on }; returns the name
+    still waiting for its { (a declaration split over lines)."""
+    m = _SCOPE_RE.match(code)
+    if m and ";" not in code.split("{", 1)[0]:
+        pending = m.group(1)
+    for ch in code:
+        if ch == "{":
+            scope.append(pending)
+            pending = None
+        elif ch == "}":
+            if scope:
+                scope.pop()
+        elif ch == ";" and pending is not None and "{" not in code:
+            pending = None
+    return pending
 
 
 _CPP_BROKEN = "int main()\n{\n  return 0\n}\n"

@@ -63,6 +63,15 @@ def python_facts(path: str, text: str, rng: random.Random) -> DocFacts:
     module = _python_module(path)
     if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module):
         return facts
+    defs, names = _python_defs(tree, module)
+    _pydoc_calls(facts, defs, module, rng)
+    _run_python_calls(facts, text, names, rng)
+    return facts
+
+
+def _python_defs(tree: ast.Module, module: str) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """The documented public definitions (qualified name, kind, signature, docstring), the module's
+    own docstring first, and the names of the module's public top-level definitions."""
     defs: list[tuple[str, str, str, str]] = []  # (qualified, kind, signature, doc)
     mdoc = ast.get_docstring(tree)
     if mdoc and not _is_license(mdoc[:300]):
@@ -91,6 +100,11 @@ def python_facts(path: str, text: str, rng: random.Random) -> DocFacts:
                     continue
                 kind = "method" if prefix != module else "function"
             defs.append((f"{prefix}.{item.name}", kind, sig, doc))
+    return defs, names
+
+
+def _pydoc_calls(facts: DocFacts, defs: list[tuple[str, str, str, str]], module: str, rng: random.Random) -> None:
+    """Up to ten definitions (shuffled): a question each and a pydoc call each."""
     rng.shuffle(defs)
     for qual, kind, sig, doc in defs[:10]:
         first = _sentences(doc.split("\n\n")[0], 2, 260)
@@ -104,6 +118,10 @@ def python_facts(path: str, text: str, rng: random.Random) -> DocFacts:
                                f"According to its docstring: {first}"]),
             direct=f"`{qual}` ({kind}): {first}",
         ))
+
+
+def _run_python_calls(facts: DocFacts, text: str, names: list[str], rng: random.Random) -> None:
+    """Up to four run_python calls of small expressions over the module's names, numbers and strings."""
     numbers = sorted({int(m) for m in re.findall(r"(?<![\w.])(\d{1,5})(?![\w.])", text)} - {0, 1})
     strings = [s for s in re.findall(r"'([A-Za-z][A-Za-z _-]{3,24})'", text)][:20]
     exprs = _python_expressions([n for n in names if len(n) <= 30][:30], numbers[:40], strings, rng)
@@ -125,4 +143,3 @@ def python_facts(path: str, text: str, rng: random.Random) -> DocFacts:
         made += 1
         if made >= 4:
             break
-    return facts

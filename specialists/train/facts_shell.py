@@ -36,37 +36,47 @@ def shell_facts(path: str, text: str, rng: random.Random) -> DocFacts:
     is_man = path.startswith("man/") or "/man/" in path or bool(re.search(r"/man\d/", path))
     facts = DocFacts(path, text, "text" if is_man else "sh")
     if is_man:
-        name, section = _man_name_section(path)
-        secs = _man_sections(text)
-        name_lines = " ".join(l.strip() for l in secs.get("NAME", []) if l.strip())
-        m = re.match(r"^(.+?)\s+(?:\\?-|‐|—|–)+\s+(.+)$", name_lines)
-        if not m:
-            return facts
-        names, desc = m.group(1).strip(), m.group(2).strip().rstrip(".")
-        if not desc or len(desc) > 200:
-            return facts
-        synopsis = [l.rstrip() for l in secs.get("SYNOPSIS", []) if l.strip()][:5]
-        syn = "\n".join(re.sub(r"\s+", " ", l.strip()) for l in synopsis)
-        facts.explains.append(Explain("man", {"name": name, "section": str(section or "")},
-                                      f"`{name}` — {desc}."))
-        sect = f"({section})" if section else ""
-        result = f"{name.upper()}{sect}\n\nNAME\n  {names} - {desc}\n" + (f"\nSYNOPSIS\n  {syn.replace(chr(10), chr(10) + '  ')}" if syn else "")
-        usage = f" Usage: `{synopsis[0].strip()}`" if synopsis and len(synopsis[0].strip()) < 100 else ""
-        facts.calls.append(CallSpec(
-            "man_page", {"name": name}, {"section": section} if section else {},
-            {"name": name, "section": str(section or 1)}, _clip(result, 700),
-            answer=rng.choice([f"`{name}`: {desc}.{usage}", f"{name}{sect} — {desc}.{usage}",
-                               f"The manual describes `{name}` as: {desc}.{usage}"]),
-            direct=f"`{name}` — {desc}.{usage}",
-        ))
-        whatis = f"{name} ({section or 1})".ljust(21) + f"- {desc}"
-        cmd = rng.choice([f"whatis {name}", f"man -f {name}"])
-        facts.calls.append(CallSpec(
-            "run_shell", {"command": cmd}, {"timeout_s": rng.choice([5, 10, 30])}, {"command": cmd, "name": name, "timeout_s": "10"},
-            whatis, answer=f"`{name}` — {desc}.", direct=f"`{cmd}` prints:\n```\n{whatis}\n```",
-        ))
-        return facts
-    # shell script
+        _man_facts(facts, path, text, rng)
+    else:
+        _script_facts(facts, path, text, rng)
+    return facts
+
+
+def _man_facts(facts: DocFacts, path: str, text: str, rng: random.Random) -> None:
+    """A man page: what it is (its NAME line), a man_page call, and a whatis run."""
+    name, section = _man_name_section(path)
+    secs = _man_sections(text)
+    name_lines = " ".join(l.strip() for l in secs.get("NAME", []) if l.strip())
+    m = re.match(r"^(.+?)\s+(?:\\?-|‐|—|–)+\s+(.+)$", name_lines)
+    if not m:
+        return
+    names, desc = m.group(1).strip(), m.group(2).strip().rstrip(".")
+    if not desc or len(desc) > 200:
+        return
+    synopsis = [l.rstrip() for l in secs.get("SYNOPSIS", []) if l.strip()][:5]
+    syn = "\n".join(re.sub(r"\s+", " ", l.strip()) for l in synopsis)
+    facts.explains.append(Explain("man", {"name": name, "section": str(section or "")},
+                                  f"`{name}` — {desc}."))
+    sect = f"({section})" if section else ""
+    result = f"{name.upper()}{sect}\n\nNAME\n  {names} - {desc}\n" + (f"\nSYNOPSIS\n  {syn.replace(chr(10), chr(10) + '  ')}" if syn else "")
+    usage = f" Usage: `{synopsis[0].strip()}`" if synopsis and len(synopsis[0].strip()) < 100 else ""
+    facts.calls.append(CallSpec(
+        "man_page", {"name": name}, {"section": section} if section else {},
+        {"name": name, "section": str(section or 1)}, _clip(result, 700),
+        answer=rng.choice([f"`{name}`: {desc}.{usage}", f"{name}{sect} — {desc}.{usage}",
+                           f"The manual describes `{name}` as: {desc}.{usage}"]),
+        direct=f"`{name}` — {desc}.{usage}",
+    ))
+    whatis = f"{name} ({section or 1})".ljust(21) + f"- {desc}"
+    cmd = rng.choice([f"whatis {name}", f"man -f {name}"])
+    facts.calls.append(CallSpec(
+        "run_shell", {"command": cmd}, {"timeout_s": rng.choice([5, 10, 30])}, {"command": cmd, "name": name, "timeout_s": "10"},
+        whatis, answer=f"`{name}` — {desc}.", direct=f"`{cmd}` prints:\n```\n{whatis}\n```",
+    ))
+
+
+def _script_facts(facts: DocFacts, path: str, text: str, rng: random.Random) -> None:
+    """A shell script: its header comment, and grep / wc / head runs over it."""
     lines = text.splitlines()
     header: list[str] = []
     for line in lines[1 if lines and lines[0].startswith("#!") else 0:]:
@@ -111,4 +121,3 @@ def shell_facts(path: str, text: str, rng: random.Random) -> DocFacts:
         head, answer=f"The first {k} lines of {script}:\n```sh\n{head}\n```",
         direct=f"The first {k} lines of {script} are:\n```sh\n{head}\n```",
     ))
-    return facts
