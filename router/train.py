@@ -251,11 +251,8 @@ def _files_sha256(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def train(cfg: TrainConfig) -> tuple[ContentClassifier, dict[str, Any]]:
-    """Build the examples, fit, keep the best validation epoch; returns the classifier and its report."""
-    t0 = time.perf_counter()
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def _datasets(cfg: TrainConfig) -> tuple[Packed, Packed]:
+    """The training and validation examples (corpus windows and first chat requests), hashed."""
     rng = random.Random(f"{cfg.seed}:router")
     hasher = FeatureHasher(cfg.features)
     train_ex = corpus_examples(cfg, "train", rng) + chat_examples(cfg, "train", rng)
@@ -263,15 +260,13 @@ def train(cfg: TrainConfig) -> tuple[ContentClassifier, dict[str, Any]]:
     if not train_ex or not val_ex:
         raise TrainDataError(f"no examples: train {len(train_ex)}, validation {len(val_ex)}")
     log.info("examples: train %d, validation %d", len(train_ex), len(val_ex))
-    train_data, val_data = pack(train_ex, hasher, "train"), pack(val_ex, hasher, "validation")
-    del train_ex, val_ex
+    return pack(train_ex, hasher, "train"), pack(val_ex, hasher, "validation")
 
-    classes = len(cfg.labels)
-    counts = torch.bincount(train_data.labels, minlength=classes).float()
-    if bool((counts == 0).any()):
-        raise TrainDataError(f"a label has no training examples: {dict(zip(cfg.labels, counts.tolist()))}")
-    class_weight = counts.sum() / (classes * counts)
-    model = LinearBag(cfg.features.buckets, classes)
+
+def _fit(cfg: TrainConfig, model: LinearBag, train_data: Packed, val_data: Packed,
+         class_weight: torch.Tensor) -> tuple[tuple[float, int, dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    """Adam with a linearly decaying rate over cfg.epochs; returns the best validation epoch
+    (accuracy, epoch, state dict) and each epoch's loss and validation accuracy."""
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
     loss_fn = torch.nn.CrossEntropyLoss(weight=class_weight)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -303,6 +298,21 @@ def train(cfg: TrainConfig) -> tuple[ContentClassifier, dict[str, Any]]:
         if val_acc > best[0]:
             best = (val_acc, epoch + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
     bar.close()
+    return best, history
+
+
+def train(cfg: TrainConfig) -> tuple[ContentClassifier, dict[str, Any]]:
+    """Build the examples, fit, keep the best validation epoch; returns the classifier and its report."""
+    t0 = time.perf_counter()
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    train_data, val_data = _datasets(cfg)
+    classes = len(cfg.labels)
+    counts = torch.bincount(train_data.labels, minlength=classes).float()
+    if bool((counts == 0).any()):
+        raise TrainDataError(f"a label has no training examples: {dict(zip(cfg.labels, counts.tolist()))}")
+    model = LinearBag(cfg.features.buckets, classes)
+    best, history = _fit(cfg, model, train_data, val_data, class_weight=counts.sum() / (classes * counts))
     model.load_state_dict(best[2])
     model.eval()
     train_report = accuracy_report(predictions(model, train_data), train_data, cfg.labels)
