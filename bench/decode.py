@@ -26,7 +26,9 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -86,7 +88,11 @@ def timed(fn, batches: list[list[list[int]]], device: str, desc: str, quiet: boo
     return outs, total
 
 
-def main(argv: list[str] | None = None) -> int:
+class UsageError(ValueError):
+    """A refused run (bad arguments, missing weights or drafter, no prompts): main prints it, exits 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
@@ -104,20 +110,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-min-confidence", type=float, default=None,
                         help="stop a draft chain below this drafter probability (default: the engine's, off)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        print("error: --batch-size and --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
-    if not (args.model / "model.safetensors").is_file():
-        print(f"error: {args.model} has no model.safetensors", file=sys.stderr)
-        return 2
-    if not (args.model / "config.json").is_file():
-        print(f"error: {args.model} has no config.json", file=sys.stderr)
-        return 2
-    ident = checkpoint_id(args.model)
-    print(f"loaded checkpoint: {json.dumps(ident)}", flush=True)
+    return parser
 
+
+@dataclass
+class Sides:
+    """What a run compares: the engine, its speculative twin (with --spec-k) and transformers, each
+    generating `n` new tokens per prompt."""
+
+    engine: Any
+    spec_engine: Any | None
+    hf: Any
+    pad_id: int
+    device: str
+    n: int
+
+    def run_engine(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
+        return engine_generate(self.engine, batch, self.n if max_new is None else max_new)
+
+    def run_spec(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
+        return engine_generate(self.spec_engine, batch, self.n if max_new is None else max_new)
+
+    def run_hf(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
+        return hf_generate(self.hf, batch, self.n if max_new is None else max_new, self.pad_id, self.device)
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise UsageError("--batch-size and --max-new-tokens must be >= 1")
+    for name in ("model.safetensors", "config.json"):
+        if not (args.model / name).is_file():
+            raise UsageError(f"{args.model} has no {name}")
+
+
+def _load(args: argparse.Namespace) -> Sides:
+    """The engine (speculation off), the speculative engine (with --spec-k) and transformers' model."""
     from policies.policy import SpeculationPolicy
     from specialists.engine import Engine  # after the refusal: no model work without weights
     from specialists.models.mtp import MissingDrafterError
@@ -128,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_engine = None
     if args.spec_k is not None:
         if args.spec_k < 1:
-            print("error: --spec-k must be >= 1", file=sys.stderr)
-            return 2
+            raise UsageError("--spec-k must be >= 1")
         policy = SpeculationPolicy(mode="on", num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
         try:
             spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
@@ -137,90 +163,110 @@ def main(argv: list[str] | None = None) -> int:
                                                  draft_vocab_size=args.draft_vocab,
                                                  draft_min_confidence=args.draft_min_confidence)
         except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    tokenizer = engine.tokenizer
+            raise UsageError(str(exc)) from exc
     hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    return Sides(engine, spec_engine, hf, pad_id, args.device, args.max_new_tokens)
 
+
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     rows = read_jsonl(args.prompts, args.limit)
     prompts = [ids[-PROMPT_TOKENS:] for r in rows if (ids := tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])]
     if not prompts:
-        print(f"error: no non-empty prompts in {args.prompts}", file=sys.stderr)
-        return 2
-    batches = _batches(prompts, args.batch_size)
-    n = args.max_new_tokens
+        raise UsageError(f"no non-empty prompts in {args.prompts}")
+    return prompts
 
-    def run_engine(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
-        return engine_generate(engine, batch, max_new)
 
-    def run_spec(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
-        return engine_generate(spec_engine, batch, max_new)
-
-    def run_hf(batch: list[list[int]], max_new: int = n) -> list[list[int]]:
-        return hf_generate(hf, batch, max_new, pad_id, args.device)
-
-    # CUDA graphs of every decode / verify shape, both engines, before anything is timed (0 on CPU)
-    for eng in (engine, spec_engine):
+def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> None:
+    """CUDA graphs of every decode / verify shape, both engines, before anything is timed (0 on CPU);
+    then every batch's prefill and decode shapes, both sides (a kernel's first call with a new shape
+    may compile it; the side that met it first in the timed run would pay). On reversed prompts, so
+    that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)."""
+    for eng in (sides.engine, sides.spec_engine):
         if eng is not None:
             eng.capture_graphs()
-    # warm-up: every batch's prefill and decode shapes, both sides (a kernel's first call with a new
-    # shape may compile it; the side that met it first in the timed run would pay). On reversed prompts,
-    # so that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)
+    warm_n = min(sides.n, WARMUP_TOKENS)
     for batch in tqdm(batches, desc="warm-up", unit="batch", file=sys.stderr):
         warm = [p[::-1] for p in batch]
-        run_engine(warm, min(n, WARMUP_TOKENS))
-        if spec_engine is not None:
-            run_spec(warm, min(n, WARMUP_TOKENS))
-    if spec_engine is not None:
-        spec_engine.totals = type(spec_engine.totals)()  # count the timed run only
-    if not args.skip_hf:
-        run_hf([p[::-1] for p in batches[0]], min(n, WARMUP_TOKENS))
-    _sync(args.device)
+        sides.run_engine(warm, warm_n)
+        if sides.spec_engine is not None:
+            sides.run_spec(warm, warm_n)
+    if sides.spec_engine is not None:
+        sides.spec_engine.totals = type(sides.spec_engine.totals)()  # count the timed run only
+    if not skip_hf:
+        sides.run_hf([p[::-1] for p in batches[0]], warm_n)
+    _sync(sides.device)
 
-    hits_before = engine.stats.get("prefix_hit_tokens", 0)
-    if spec_engine is None:
-        ours, t_engine = timed(run_engine, batches, args.device, "engine")
-    else:  # side by side, batch after batch, so that machine noise hits both alike
-        ours, spec, t_engine, t_spec = [], [], 0.0, 0.0
-        for batch in tqdm(batches, desc=f"engine / speculative K={args.spec_k}", unit="batch", file=sys.stderr):
-            out, dt = timed(run_engine, [batch], args.device, "", quiet=True)
-            ours.extend(out)
-            t_engine += dt
-            out, dt = timed(run_spec, [batch], args.device, "", quiet=True)
-            spec.extend(out)
-            t_spec += dt
-    prefix_hits = engine.stats.get("prefix_hit_tokens", 0) - hits_before
-    ours_tokens = sum(len(o) for o in ours)
-    engine_tok_s = ours_tokens / t_engine if t_engine > 0 else 0.0
+
+def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | None) -> tuple[list, list, float, float]:
+    """The engine's outputs and time, and the speculative engine's ([] and 0.0 without one)."""
+    if sides.spec_engine is None:
+        ours, t_engine = timed(sides.run_engine, batches, sides.device, "engine")
+        return ours, [], t_engine, 0.0
+    ours, spec, t_engine, t_spec = [], [], 0.0, 0.0  # side by side, batch after batch: noise hits both alike
+    for batch in tqdm(batches, desc=f"engine / speculative K={spec_k}", unit="batch", file=sys.stderr):
+        out, dt = timed(sides.run_engine, [batch], sides.device, "", quiet=True)
+        ours.extend(out)
+        t_engine += dt
+        out, dt = timed(sides.run_spec, [batch], sides.device, "", quiet=True)
+        spec.extend(out)
+        t_spec += dt
+    return ours, spec, t_engine, t_spec
+
+
+def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namespace,
+             num_prompts: int) -> tuple[dict, float, float, int]:
+    """The result line's figures; also the engine's and transformers' seconds and the prefix hits."""
+    hits_before = sides.engine.stats.get("prefix_hit_tokens", 0)
+    ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k)
+    prefix_hits = sides.engine.stats.get("prefix_hit_tokens", 0) - hits_before
+    engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
               "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
+    t_hf = 0.0
     if not args.skip_hf:
-        theirs, t_hf = timed(run_hf, batches, args.device, "transformers")
+        theirs, t_hf = timed(sides.run_hf, batches, args.device, "transformers")
         hf_tokens = sum(len(o) for o in theirs)
         same = sum(int(a == b) for a, b in zip(ours, theirs))
         hf_tok_s = hf_tokens / t_hf if t_hf > 0 else 0.0
         result.update(hf_tok_s=round(hf_tok_s, 2), ratio=round(engine_tok_s / hf_tok_s, 4) if hf_tok_s > 0 else None,
-                      identical=round(same / len(prompts), 4))
-    else:
-        t_hf = 0.0
-    if spec_engine is not None:
+                      identical=round(same / num_prompts, 4))
+    if sides.spec_engine is not None:
         spec_tok_s = sum(len(o) for o in spec) / t_spec if t_spec > 0 else 0.0
-        tot = spec_engine.totals
+        tot = sides.spec_engine.totals
         result.update(
             spec_k=args.spec_k, acceptance=args.acceptance,
             spec_tok_s=round(spec_tok_s, 2),
             speedup=round(spec_tok_s / engine_tok_s, 4) if engine_tok_s > 0 else None,
-            identical_spec=round(sum(int(a == b) for a, b in zip(ours, spec)) / len(prompts), 4),
+            identical_spec=round(sum(int(a == b) for a, b in zip(ours, spec)) / num_prompts, 4),
             mean_accepted=round(tot.mean_accepted, 4),
             acceptance_by_position=[round(x, 4) for x in tot.acceptance_by_position],
         )
+    return result, t_engine, t_hf, prefix_hits
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        _check_model(args)
+        ident = checkpoint_id(args.model)
+        print(f"loaded checkpoint: {json.dumps(ident)}", flush=True)
+        sides = _load(args)
+        prompts = _prompts(args, sides.engine.tokenizer)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    batches = _batches(prompts, args.batch_size)
+    _warm_up(sides, batches, args.skip_hf)
+    result, t_engine, t_hf, prefix_hits = _measure(sides, batches, args, len(prompts))
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
-             len(prompts), n, t_engine, prefix_hits, t_hf, device_name(args.device))
-    record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": n, "dtype": args.dtype,
-                          "prompt_tokens": sum(len(p) for p in prompts), "prefix_hit_tokens": prefix_hits,
-                          "checkpoint": ident, "device_name": device_name(args.device), "commit": git_commit()})
+             len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
+    record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n,
+                          "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
+                          "prefix_hit_tokens": prefix_hits, "checkpoint": ident,
+                          "device_name": device_name(args.device), "commit": git_commit()})
     print(json.dumps(result))
     return 0
 
