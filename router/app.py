@@ -66,6 +66,7 @@ class AppArgs(BaseModel):
     default_max_tokens: int = Field(256, ge=1)
     default_temperature: float = Field(0.0, ge=0.0, le=2.0)
     admin_token_env: str = "CANTATA_ADMIN_TOKEN"
+    recovery_wait_s: float = Field(15.0, ge=0.0)  # a request waits this long for a dead replica's restart
     limits: RequestLimits = Field(default_factory=RequestLimits)  # body size/timeout, tool schemas (router/limits.py)
 
     @model_validator(mode="after")
@@ -83,7 +84,8 @@ class AppArgs(BaseModel):
 
     def settings(self) -> ServiceSettings:
         return ServiceSettings(default_max_tokens=self.default_max_tokens,
-                               default_temperature=self.default_temperature, limits=self.limits)
+                               default_temperature=self.default_temperature, limits=self.limits,
+                               recovery_wait_s=self.recovery_wait_s)
 
 
 def load_router(args: AppArgs) -> Router:
@@ -168,7 +170,7 @@ class RouterIngress:
                  "on" if self.admin_token else "off")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self.service, self.admin_token)
+        return build_http_app(self.service, self.admin_token, request_ids=False)  # Serve's proxy sets x-request-id
 
 
 def build_app(args: dict[str, Any]) -> Any:
