@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import admin_router
 from router.api import APIError, ChatCompletionRequest, ErrorDetail, ErrorResponse, ModelCard, ModelList, NotFoundError
-from router.limits import BodyLimitMiddleware
+from router.limits import BodyLimitMiddleware, RequestLimits
 from router.backends import BackendUnavailable
 from router.request_id import RequestIdMiddleware, request_id_of
 from router.service import ChatService
@@ -46,11 +46,13 @@ def _error_response(status: int, message: str, error_type: str, param: str | Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _fastapi() -> FastAPI:
+def _fastapi(limits: RequestLimits) -> FastAPI:
     kwargs: dict[str, Any] = {"title": "Cantata", "version": "0.1.0"}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
         kwargs["telemetry"] = {"tracing": False, "metrics": False, "logs": False}
-    return FastAPI(**kwargs)
+    app = FastAPI(**kwargs)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)  # 413 / 408 before the body is parsed
+    return app
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -90,9 +92,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def build_http_app(service: ChatService, admin_token: str | None = None, request_ids: bool = True) -> FastAPI:
     """The app. `request_ids`: set and echo x-request-id here (False under Serve, whose proxy does it)."""
-    app = _fastapi()
+    app = _fastapi(service.settings.limits)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, limits=service.settings.limits)  # 413 / 408 before the body is parsed
     if request_ids:
         app.add_middleware(RequestIdMiddleware)  # router/request_id.py
     tracer = service.tracer
