@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from state import prefix_cache as _pc
 from state.block_pool import BlockPool, NoFreeBlocksError
 from state.prefix_cache import PrefixCache
 
-__all__ = ["KVCache", "KVCacheConfig", "NoFreeBlocksError", "SlotRangeError", "UnknownSequenceError"]
+__all__ = ["KVCache", "KVCacheConfig", "NoFreeBlocksError", "SlotRangeError", "UnknownSequenceError", "flat_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,13 @@ class UnknownSequenceError(KeyError):
 
 class SlotRangeError(IndexError):
     """Slots were asked for positions outside [0, reserved end) of a sequence."""
+
+
+def flat_slots(table: Sequence[int] | np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
+    """-> [end - start] int64: the flat KV slot (block id * block_size + offset) of each position
+    start..end-1 under the block table `table` (block ids by block index; it must cover `end`)."""
+    p = np.arange(start, end)
+    return np.asarray(table, dtype=np.int64)[p // block_size] * block_size + p % block_size
 
 
 @dataclass
@@ -104,8 +113,7 @@ class KVCache:
         s = self._seq(seq_id)
         if start < 0 or n < 0 or start + n > s.reserved_end:
             raise SlotRangeError(f"seq {seq_id}: positions [{start}, {start + n}) outside reserved [0, {s.reserved_end})")
-        bs, table = self.block_size, s.table
-        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        return flat_slots(s.table, start, start + n, self.block_size).tolist()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ DEV = os.environ.get("CANTATA_TEST_DEVICE", "cpu")
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1", allow_module_level=True)
 
+from specialists.models.rope import apply_signed_rope, rope_inv_freq, signed_rope_table  # noqa: E402
 from specialists.ops import fused  # noqa: E402
 
 H, HKV, HD, BS = 4, 2, 64, 16
@@ -27,16 +28,7 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_table(n: int) -> torch.Tensor:  # [n, 2, 1, hd]: cos, sin with the rotate-half sign, as the drafter's
-    inv = 1.0 / (10000 ** (torch.arange(0, HD, 2, device=DEV).float() / HD))
-    ang = torch.arange(n, device=DEV).float()[:, None] * inv
-    emb = torch.cat([ang, ang], -1)
-    sin = emb.sin()
-    sin[:, : HD // 2].neg_()
-    return torch.stack([emb.cos(), sin], 1)[:, :, None].contiguous()
-
-
-def _rope(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:  # x [M, heads, hd], cs [M, 2, 1, hd]
-    return x * cs[:, 0] + x.roll(HD // 2, -1) * cs[:, 1]
+    return signed_rope_table(rope_inv_freq(10000.0, HD, DEV), n, torch.float32)
 
 
 @pytest.mark.parametrize("m", [1, 3, 6])
@@ -69,7 +61,7 @@ def test_qkv_rope_writes_the_pool_by_slot_and_by_table() -> None:
     pos = torch.tensor([3, 4, 5, 6, 7], device=DEV)
     slots = torch.tensor([19, 20, 21, 22, 35], device=DEV)
     q = fused.qkv_rope(x, w, cs, kp, vp, H, HKV, 1e-5, positions=pos, pos_add=1, slots=slots)
-    rot = _rope(qk_ref, cs[pos + 1])
+    rot = apply_signed_rope(qk_ref, cs[pos + 1])
     assert (q - rot[:, :H]).abs().max() < TOL
     assert (kp.view(-1, HKV, HD)[slots] - rot[:, H:]).abs().max() < TOL
     assert (vp.view(-1, HKV, HD)[slots] - v_ref).abs().max() < TOL
@@ -84,7 +76,7 @@ def test_qkv_rope_writes_the_pool_by_slot_and_by_table() -> None:
     q2 = fused.qkv_rope(x[:2], w, cs, kp, vp, H, HKV, 1e-5, committed=committed, tables=tables, entry_add=1)
     e = committed + 1
     slot2 = tables[torch.arange(2, device=DEV), e // BS] * BS + e % BS
-    rot2 = _rope(qk_ref[:2], cs[e + 1])
+    rot2 = apply_signed_rope(qk_ref[:2], cs[e + 1])
     assert (q2 - rot2[:, :H]).abs().max() < TOL
     assert (kp.view(-1, HKV, HD)[slot2] - rot2[:, H:]).abs().max() < TOL
     assert (vp.view(-1, HKV, HD)[slot2] - v_ref[:2]).abs().max() < TOL

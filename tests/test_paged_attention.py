@@ -9,6 +9,7 @@ import torch
 
 from specialists.models.batch import ForwardBatch, SeqStep
 from specialists.ops.attention import paged_attention, write_kv
+from state.kv_cache import flat_slots
 
 
 def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -44,7 +45,7 @@ def _case(seed: int, block_size: int, hq: int, hkv: int, q_lens: list[int], garb
         qq = torch.randn(q, hq, D, generator=g)
         old = ctx - q
         if old:
-            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(old)])
+            slots = torch.from_numpy(flat_slots(table, 0, old, block_size))
             write_kv(k[:old], v[:old], k_pool, v_pool, slots)
         steps.append(SeqStep(sid, list(range(q)), old, table, is_prefill=q > 6, logits="all"))
         seqs.append((qq, k, v, old))

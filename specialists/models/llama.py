@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 from specialists.ops.attention import paged_attention, write_kv
+from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import linear
 
 __all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block"]
@@ -47,8 +48,7 @@ class Rope:
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            inv_freq = rope_inv_freq(base, int(head_dim * params.get("partial_rotary_factor", 1.0)))
             scaling = 1.0
         elif rope_type in ("dynamic", "longrope"):
             raise UnsupportedModelError(f"rope_type {rope_type!r} (position-dependent inv_freq) is not supported")
@@ -62,20 +62,12 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rotary_dim]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype, self.scaling)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D], cos/sin [T, R] -> x with its first R channels rotated."""
-        r = cos.shape[-1]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        xr, xp = x[..., :r], x[..., r:]
-        x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
-        rotated = torch.cat((-x2, x1), dim=-1)
-        out = xr * cos + rotated * sin
-        return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
+        return apply_rope(x, cos[:, None, :], sin[:, None, :])
 
 
 @dataclass

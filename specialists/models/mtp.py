@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
 MTP_WEIGHTS = "mtp.safetensors"
 MTP_CONFIG = "mtp_config.json"
 
@@ -69,15 +71,10 @@ class RMSNorm(nn.Module):
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE over the full head dim. x: [B, H, T, hd]; positions: [T] or [B, T]."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)
-    if emb.dim() == 3:  # [B, T, hd] -> [B, 1, T, hd]
-        emb = emb[:, None]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(theta, x.shape[-1], x.device), x.dtype)  # [..., T, hd]
+    if cos.dim() == 3:  # [B, T, hd] -> [B, 1, T, hd]
+        cos, sin = cos[:, None], sin[:, None]
+    return apply_rope(x, cos, sin)
 
 
 class DraftBlock(nn.Module):
