@@ -1,25 +1,29 @@
 """state/ssm_cache.py: stage + commit leaves exactly the state of a fresh prefill of the committed
-tokens (DESIGN lessons 8 and 10), on the shipped cpp model's two Mamba layers, fp32 on CPU."""
+tokens (DESIGN lessons 8 and 10), on the two Mamba layers of a tiny random Bamba (states of the same
+size as the shipped cpp model's; prompts that cross an SSD chunk), fp32 on CPU."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, BambaConfig
 
 from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill
 from specialists.ops.mamba2_steps import mamba2_multi_step, mamba2_verify
 from state.ssm_cache import NoFreeSlotsError, SSMCache, SSMCacheConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-6  # the issue: "a committed SSM slot equals a fresh prefill of the same tokens to 1e-6 (fp32)"
 
 
 @pytest.fixture(scope="module")
 def params() -> list[Mamba2Params]:
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "deploy" / "models" / "cpp", dtype=torch.float32)
+    """Mamba, attention, Mamba: random weights (std 0.1), SSD chunks of 32 tokens."""
+    torch.manual_seed(0)
+    config = BambaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
+                         mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=32,
+                         mamba_d_conv=4, initializer_range=0.1)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     attn = set(model.config.attn_layer_indices)
     return [Mamba2Params.from_hf(l.mamba) for i, l in enumerate(model.model.layers) if i not in attn]
 
