@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import logging
 import os
 import platform
@@ -63,7 +62,7 @@ async def wait_ready(base_url: str, wait_s: float) -> list[str]:
 
 
 def _session(concurrency: int, timeout_s: float) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, force_close=False),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
