@@ -203,3 +203,32 @@ def test_one_x_request_id_per_response(shell):
         assert mine.headers.get_list("x-request-id") == ["client-chosen-id"]
     with client_for(shell, shell[0], request_ids=False) as c:  # under Serve: the proxy adds it
         assert c.get("/v1/models").headers.get_list("x-request-id") == []
+
+
+# ---- the proxy's side: a router replica that dies (router/proxy_guard.py) --------------------------
+
+
+async def _proxy_like(scope, receive, send) -> None:
+    """What Serve's proxy does when the router replica dies: /silent ends with no response at all
+    (uvicorn would send a plain-text 500), /cut starts an SSE stream and stops mid-body."""
+    if scope["path"] == "/cut":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+    elif scope["path"] == "/whole":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"ok": true}', "more_body": False})
+
+
+def test_proxy_guard_finishes_what_a_dead_router_left_open():
+    from router.proxy_guard import ProxyGuard
+
+    c = TestClient(ProxyGuard(_proxy_like))  # no lifespan: the proxy's app has none
+    silent = c.get("/silent", headers={"x-request-id": "abc"})
+    assert silent.status_code == 503 and silent.headers["retry-after"] == "5"
+    assert silent.headers.get_list("x-request-id") == ["abc"]
+    assert silent.json()["error"]["code"] == "router_unavailable"
+    cut = sse_data(c.get("/cut").text)
+    assert cut[0] == '{"choices": []}' and cut[-1] == "[DONE]"
+    assert json.loads(cut[-2])["error"]["type"] == "service_unavailable"
+    whole = c.get("/whole")
+    assert whole.status_code == 200 and whole.json() == {"ok": True}

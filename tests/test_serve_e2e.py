@@ -1,39 +1,34 @@
 """End to end: a real `serve run deploy/ensemble.yaml` (Ray Serve, four specialists on CPU) and the
 unmodified `openai` client. One server for the module; the tests that change policies run last.
 
-Ray 2.60 specifics: token auth is on by default, so RAY_AUTH_MODE=disabled is set for the cluster
-and for the CLI (`serve deploy`); a backgrounded `serve run` ignores SIGINT, so it is stopped with
-SIGTERM and the cluster cleaned up with `ray stop --force`.
+Ray 2.60 specifics: the cluster runs with token auth (RAY_AUTH_MODE=token, as the README starts it; the
+token is ~/.ray/auth_token, made on first use), and the CLI (`serve deploy`) gets the same mode. A
+backgrounded `serve run` ignores SIGINT, so it is stopped with SIGTERM and the cluster cleaned up
+with `ray stop --force`. The replica-death test kills cpp's replica and runs last.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
+import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 import requests
 import yaml
 
+import serve_harness
+from serve_harness import BASE, BIN, REPO, STARTUP_LIMIT_S, Server
 from specialists.train.tools import tools_for
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-BASE = "http://127.0.0.1:8000"
 TOKEN = "e2e-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DOMAINS = ("cpp", "python", "build", "shell")
-STARTUP_LIMIT_S = 120.0
-BIN = Path(sys.executable).parent
 
 QUESTIONS = {
     "cpp": "What does `std::vector::reserve` do in C++?",
@@ -55,59 +50,10 @@ TOOL_RESULTS = {
 }
 
 
-@dataclass
-class Server:
-    env: dict[str, str]
-    trace_file: Path
-    startup_s: float
-    workdir: Path
-
-
-def _port_busy(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _stop(proc: subprocess.Popen, env: dict[str, str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
-    if _port_busy(8000):
-        pytest.fail("127.0.0.1:8000 is in use; deploy/ensemble.yaml binds it")
-    work = tmp_path_factory.mktemp("serve")
-    trace_file = work / "traces.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS"))}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", CANTATA_ADMIN_TOKEN=TOKEN,
-               CANTATA_TRACE_FILE=str(trace_file), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
-    log = open(work / "serve.log", "w")
-    start = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "serve"), "run", "deploy/ensemble.yaml"], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"serve run exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
-            if time.monotonic() - start > STARTUP_LIMIT_S:
-                pytest.fail(f"/health not 200 within {STARTUP_LIMIT_S} s:\n{(work / 'serve.log').read_text()[-4000:]}")
-            try:
-                if requests.get(f"{BASE}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        yield Server(env, trace_file, time.monotonic() - start, work)
-    finally:
-        _stop(proc, env)
-        log.close()
+    with serve_harness.running_server(tmp_path_factory.mktemp("serve"), TOKEN) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +204,18 @@ def test_errors_reach_the_client_in_openai_shape(client):
         client.chat.completions.create(model="cpp", messages=[])
 
 
+def test_one_x_request_id_per_response(client):
+    """Serve's proxy sets x-request-id (the caller's, or a new one); the router adds none of its own."""
+    chat = {"model": "shell", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for r in (requests.post(f"{BASE}/v1/chat/completions", json=chat, timeout=30),
+              requests.post(f"{BASE}/v1/chat/completions", json={**chat, "stream": True}, timeout=30),
+              requests.post(f"{BASE}/v1/chat/completions", json={**chat, "model": "nope"}, timeout=30),
+              requests.get(f"{BASE}/v1/models", timeout=10)):
+        assert len(r.raw.headers.getlist("x-request-id")) == 1, (r.status_code, r.raw.headers)
+    mine = requests.post(f"{BASE}/v1/chat/completions", json=chat, headers={"x-request-id": "e2e-id-1"}, timeout=30)
+    assert mine.raw.headers.getlist("x-request-id") == ["e2e-id-1"]
+
+
 def test_one_trace_across_router_and_specialist(server, client):
     trace_id = "5b8aa5a2d2c872e8321cf37308d69df2"
     raw = client.chat.completions.with_raw_response.create(
@@ -334,3 +292,74 @@ def test_speculation_flips_after_serve_deploy(server, client):
         _deploy(server, config)
         assert wait_for_speculation(client, "build", mode) < 5.0
     assert {d: admin_view(d)["pid"] for d in DOMAINS} == pids  # reconfigured in place, no restarts
+
+
+# ---- a replica's death (kill -9 of cpp's replica process; it restarts, so this runs last) -------------
+
+
+def test_killed_replica_ends_every_stream_cleanly_and_comes_back(client):
+    """Streams in flight end with [DONE] after their finishing chunk (done before the kill, or
+    retried after the restart when no text had been sent) or after an SSE error event in OpenAI's
+    shape; never a cut body. Non-streams get 200 (retried) or 503 + Retry-After. A request sent
+    after the death is served once the replica is back; cpp serves again within 15 s."""
+    old_pid = admin_view("cpp")["pid"]
+    first_text = threading.Event()
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(serve_harness.stream, BASE, i, first_text) for i in range(6)]
+        singles = [pool.submit(serve_harness.complete, BASE, 100 + i) for i in range(3)]
+        assert first_text.wait(60), "no stream produced text"
+        killed = serve_harness.kill_frozen(old_pid)
+        back = pool.submit(serve_harness.wait_served, BASE, killed, 15.0)
+        late = pool.submit(lambda: client.with_options(max_retries=6, timeout=60).chat.completions.with_raw_response
+                           .create(model="cpp", messages=[{"role": "user", "content": QUESTIONS["cpp"]}], max_tokens=8))
+        streamed = [f.result(timeout=180) for f in streams]
+        answered = [f.result(timeout=180) for f in singles]
+        back_s, late_raw = back.result(timeout=180), late.result(timeout=180)
+    errored = 0
+    for s in streamed:
+        assert s.cut is None and len(s.request_ids) == 1, s
+        if s.status == 503:  # never admitted, and the retry found no replica in time
+            assert s.retry_after and s.body["error"]["type"] == "service_unavailable", s
+            continue
+        assert s.status == 200 and s.data[-1] == "[DONE]", s
+        last = s.last_event()
+        if "error" in last:  # cut after text reached the client
+            errored += 1
+            assert set(last["error"]) == {"message", "type", "param", "code"}
+            assert (last["error"]["type"], last["error"]["code"]) == ("service_unavailable", "specialist_replica_died")
+        else:
+            assert last["choices"][0]["finish_reason"] in ("stop", "length"), s
+    assert errored >= 1, "no stream was caught mid-body by the kill"
+    retried = [s for s in streamed + answered if s.status == 200 and s.ended_at > killed]
+    assert retried, "no in-flight request completed after the kill"
+    for a in answered:
+        assert a.cut is None and len(a.request_ids) == 1, a
+        assert (a.status == 200 and a.body["choices"][0]["message"]["content"]) or (
+            a.status == 503 and a.retry_after and a.body["error"]["code"] == "specialist_replica_died"), a
+    assert late_raw.parse().choices[0].message.content and len(late_raw.headers.get_list("x-request-id")) == 1
+    assert back_s < 15.0, f"cpp served again only after {back_s:.1f} s"
+    assert admin_view("cpp")["pid"] != old_pid
+
+
+def test_killed_router_answers_in_openai_shape():
+    """With the proxy guard (router/proxy_guard.py), the requests a killed router was serving end in
+    OpenAI's shape (a stream: an error event and [DONE]; a non-stream: 503 + Retry-After), not with
+    the proxy's plain-text 500 or a cut body; a new router replica serves within 15 s."""
+    pid = serve_harness.replica_pid("router")
+    first_text = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(serve_harness.stream, BASE, 200 + i, first_text) for i in range(3)]
+        single = pool.submit(serve_harness.complete, BASE, 300)
+        assert first_text.wait(60), "no stream produced text"
+        killed = serve_harness.kill_frozen(pid)
+        back = pool.submit(serve_harness.wait_served, BASE, killed, 15.0)
+        streamed, answered, back_s = [f.result(timeout=180) for f in streams], single.result(timeout=180), back.result(180)
+    ends = []
+    for s in streamed:
+        assert s.cut is None and s.status == 200 and s.data[-1] == "[DONE]" and len(s.request_ids) == 1, s
+        ends.append(s.last_event().get("error", {}).get("code", "finished"))
+    assert "router_unavailable" in ends and set(ends) <= {"router_unavailable", "finished"}, ends
+    assert answered.cut is None and len(answered.request_ids) == 1, answered
+    assert answered.status == 200 or (answered.status == 503 and answered.retry_after == "5" and
+                                      answered.body["error"]["code"] == "router_unavailable"), answered
+    assert back_s < 15.0 and serve_harness.replica_pid("router") != pid
