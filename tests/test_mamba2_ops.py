@@ -1,23 +1,45 @@
-"""specialists/ops/mamba2.py against transformers' BambaMixer (the oracle), fp32 on CPU."""
+"""specialists/ops/mamba2.py against transformers' BambaMixer (the oracle), fp32 on CPU, on random
+mixers: two tiny ones, and the two Mamba layers of a random Bamba with the shipped cpp specialist's
+shapes (8 heads x 64, d_state 64, SSD chunks of 128; the timing below is quoted in state/ssm_cache.py)."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BambaConfig
+from transformers import BambaConfig, BambaForCausalLM
 from transformers.models.bamba.modeling_bamba import BambaMixer
 
 from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, segsum
 from specialists.ops.mamba2_steps import mamba2_multi_step
 
-ROOT = Path(__file__).resolve().parents[1]
-CPP = ROOT / "deploy" / "models" / "cpp"
 TOL = 1e-5
+CPP_SHAPES = dict(  # deploy/models/cpp/config.json's shapes, a small vocabulary
+    vocab_size=64, hidden_size=256, intermediate_size=384, num_hidden_layers=4, attn_layer_indices=[1, 3],
+    num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=64, mamba_expand=2,
+    mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=128, mamba_conv_bias=True,
+    mamba_proj_bias=False, rms_norm_eps=1e-5,
+)
+
+
+@torch.no_grad()
+def _randomize(mixer: BambaMixer, std: float = 0.1) -> BambaMixer:
+    """Weights (`std`), biases, decay rates, steps and skip gains spread out (not transformers' tame init)."""
+    for lin in (mixer.in_proj, mixer.out_proj):
+        torch.nn.init.normal_(lin.weight, std=std)
+        if lin.bias is not None:
+            torch.nn.init.normal_(lin.bias, std=0.1)
+    torch.nn.init.normal_(mixer.conv1d.weight, std=0.3)
+    torch.nn.init.normal_(mixer.conv1d.bias, std=0.1)
+    heads = mixer.A_log.shape[0]
+    mixer.A_log.copy_(torch.log(torch.rand(heads) * 4 + 0.5))
+    mixer.D.copy_(torch.randn(heads))
+    mixer.dt_bias.copy_(torch.randn(heads) - 2)
+    mixer.norm.weight.copy_(1 + 0.1 * torch.randn(mixer.norm.weight.shape[0]))
+    return mixer
 
 
 def _tiny_mixer(seed: int, time_step_limit=(0.0, float("inf"))) -> BambaMixer:
@@ -28,23 +50,17 @@ def _tiny_mixer(seed: int, time_step_limit=(0.0, float("inf"))) -> BambaMixer:
         mamba_proj_bias=True, time_step_limit=time_step_limit, rms_norm_eps=1e-5,
     )
     torch.manual_seed(seed)
-    mixer = BambaMixer(config, layer_idx=0).float().eval()
-    with torch.no_grad():
-        for lin in (mixer.in_proj, mixer.out_proj):
-            torch.nn.init.normal_(lin.weight, std=0.1)
-            torch.nn.init.normal_(lin.bias, std=0.1)
-        torch.nn.init.normal_(mixer.conv1d.weight, std=0.3)
-        torch.nn.init.normal_(mixer.conv1d.bias, std=0.1)
-        mixer.A_log.copy_(torch.log(torch.rand(4) * 4 + 0.5))
-        mixer.D.copy_(torch.randn(4))
-        mixer.dt_bias.copy_(torch.randn(4) - 2)
-        mixer.norm.weight.copy_(1 + 0.1 * torch.randn(128))
-    return mixer
+    return _randomize(BambaMixer(config, layer_idx=0).float().eval())
 
 
 @pytest.fixture(scope="module")
-def cpp_model():
-    model = AutoModelForCausalLM.from_pretrained(CPP, dtype=torch.float32).eval()
+def cpp_model() -> BambaForCausalLM:
+    """A random Bamba shaped like the shipped cpp specialist (Mamba, attention, Mamba, attention), its
+    projections at the trained layers' scale (outputs of the same size, max |y| about 3 for unit inputs)."""
+    torch.manual_seed(2)
+    model = BambaForCausalLM(BambaConfig(**CPP_SHAPES)).float().eval()
+    for mixer in _cpp_mixers(model):
+        _randomize(mixer, std=0.05)  # the trained cpp layers' projections: std 0.043 to 0.049
     return model
 
 
@@ -58,7 +74,7 @@ def mixers(cpp_model) -> dict[str, BambaMixer]:
     out = {"tiny": _tiny_mixer(0), "tiny_dtlimit": _tiny_mixer(1, (0.01, 0.1))}
     for j, m in enumerate(_cpp_mixers(cpp_model)):
         out[f"cpp_mamba{j}"] = m
-    assert len(out) == 4  # the shipped cpp model has two Mamba layers
+    assert len(out) == 4  # the cpp shapes have two Mamba layers
     return out
 
 
