@@ -1,7 +1,7 @@
 """`python -m bench.serving` against a real `serve run deploy/ensemble.yaml`: 24 mixed requests at
 concurrency 8 with --check-determinism give no failures, identical greedy outputs, figures that add
-up, and one JSONL row. The server is test_serve_e2e's fixture (imported, so this module starts and
-stops its own `serve run`; test_serve_e2e is unchanged)."""
+up, and one JSONL row. The server is started as the README starts it, by tests/serve_harness.py
+(one `serve run` for this module, stopped at its end)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,22 @@ import pytest
 
 from bench.common import git_commit
 from bench.serving import main
-from test_serve_e2e import BASE, DOMAINS, server  # noqa: F401 - `server` is the module's serve-run fixture
+import serve_harness
+from serve_harness import BASE
 
 pytestmark = pytest.mark.slow
 
 N, C, MAX_TOKENS = 24, 8, 32
+DOMAINS = ("cpp", "python", "build", "shell")
 
 
-def test_bench_serving_against_serve_run(server, tmp_path, capsys):  # noqa: F811
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> serve_harness.Server:
+    with serve_harness.running_server(tmp_path_factory.mktemp("serve-bench"), "bench-admin-token") as running:
+        yield running
+
+
+def test_bench_serving_against_serve_run(server, tmp_path, capsys):
     out = tmp_path / "serving.jsonl"
     rc = main(["--url", BASE, "--num-requests", str(N), "--concurrency", str(C), "--max-tokens", str(MAX_TOKENS),
                "--seed", "0", "--check-determinism", "--wait-ready", "30", "--timeout", "120", "--out", str(out)])
