@@ -90,7 +90,7 @@ class FunctionDefinition(BaseModel):
     """A tool's function. Only `name` is required; `parameters` may be any JSON object (quirks
     such as `"type": "dict"` are repaired in router/tools.py, not rejected here)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -110,7 +110,7 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
@@ -129,7 +129,7 @@ class NamedFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     type: Literal["function"] = "function"
     function: NamedFunction
@@ -144,17 +144,20 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
+PART_KEYS = ("type", "text", "refusal")
+
+
 class ChatMessage(BaseModel):
     """One input message. Content is a string, None, or a list of content parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
@@ -162,23 +165,55 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _part_keys(cls, v: Any) -> Any:
+        """Content parts keep only the keys anything reads (router/tools.py content_text)."""
+        if isinstance(v, list):
+            return [{k: p[k] for k in PART_KEYS if k in p} if isinstance(p, dict) else p for p in v]
+        return v
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     include_usage: StrictBool = False
 
 
+# Counted before anything is validated (pydantic checks a list's max_length only after validating every
+# item, on the router's event loop: 100k tiny messages took 5 s, 50k tool calls 9 s).
+MAX_MESSAGES = 4096
+MAX_MESSAGE_ITEMS = 8192  # messages + their content parts + their tool calls, all messages together
+MAX_TOOLS_PARSED = 1024  # a ceiling before validation; RequestLimits.max_tools (default 128) is the real limit
+
+
+def _count_items(data: Any) -> None:
+    """Refuse, before validation, requests whose messages or tools are too many to validate cheaply."""
+    if not isinstance(data, dict):
+        return
+    messages, tools = data.get("messages"), data.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS_PARSED:
+        raise ValueError(f"tools: {len(tools)} tools; at most {MAX_TOOLS_PARSED}")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"messages: {len(messages)} messages; at most {MAX_MESSAGES}")
+    items = len(messages)
+    for m in messages:
+        if isinstance(m, dict):
+            items += sum(len(m[k]) for k in ("content", "tool_calls") if isinstance(m.get(k), list))
+    if items > MAX_MESSAGE_ITEMS:
+        raise ValueError(f"messages: {items} messages, content parts and tool calls; at most {MAX_MESSAGE_ITEMS}")
 StrictFloat = Annotated[float, Strict()]  # a JSON number (an integer is a number too); never a string
 
 
 class ChatCompletionRequest(BaseModel):
     """A chat request. Types are strict (`"stream": "yes"`, `"temperature": "0.5"`, `"max_tokens": true`
-    are refused, not coerced). Unknown fields are kept in `model_extra` and ignored, except the
-    ones router/request_guard.py refuses by name; the typed fields from `top_logprobs` down are
-    declared so that they are checked, and are refused unless they ask for the default."""
+    are refused, not coerced). Unknown fields are dropped (and so cost nothing later), except the
+    ones router/request_guard.py refuses by name: the fields from `top_logprobs` down are declared
+    so that they are checked, and are refused unless they ask for the default."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are dropped, not kept: nobody reads them
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
@@ -213,6 +248,17 @@ class ChatCompletionRequest(BaseModel):
     web_search_options: dict[str, Any] | None = None
     best_of: StrictInt | None = Field(None, ge=1)
     echo: StrictBool | None = None
+    guided_json: Any = None  # vLLM's guided decoding: refused
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        _count_items(data)
+        return data
 
     @field_validator("stop")
     @classmethod

@@ -27,7 +27,6 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 
 def _unsupported(req: ChatCompletionRequest) -> tuple[str, str] | None:
     """(param, why) of the first parameter that asks for something this server does not do."""
-    extra = req.model_extra or {}
     checks: list[tuple[str, bool, str]] = [
         ("n", req.n not in (None, 1), "only n=1 is supported"),
         ("logprobs", bool(req.logprobs), "logprobs are not supported"),
@@ -48,7 +47,8 @@ def _unsupported(req: ChatCompletionRequest) -> tuple[str, str] | None:
         ("best_of", req.best_of not in (None, 1), "best_of is not supported"),
         ("echo", bool(req.echo), "echo is not supported"),
     ]
-    checks += [(name, extra.get(name) is not None, f"{name} (guided decoding) is not supported") for name in GUIDED_FIELDS]
+    checks += [(name, getattr(req, name) is not None, f"{name} (guided decoding) is not supported")
+               for name in GUIDED_FIELDS]
     for param, refused, why in checks:
         if refused:
             return param, why
@@ -84,6 +84,7 @@ def check_request(req: ChatCompletionRequest, limits: RequestLimits) -> None:
         raise BadRequestError(why, param=param, code="unsupported_parameter")
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
         raise BadRequestError(f"seed must be an integer in [0, {SEED_MAX}]", param="seed", code="invalid_value")
+    check_tool_schemas(req.tools, limits)  # before the walk below: a schema over its size limit stops here
     where = lone_surrogate(req.model_dump(exclude_none=True, mode="python"))
     if where is not None:
         raise BadRequestError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text", param=where,
@@ -92,4 +93,3 @@ def check_request(req: ChatCompletionRequest, limits: RequestLimits) -> None:
         if len(stop) > limits.max_stop_chars:
             raise BadRequestError(f"stop[{i}] is {len(stop)} characters; the limit is {limits.max_stop_chars}",
                                   param="stop", code="invalid_value")
-    check_tool_schemas(req.tools, limits)

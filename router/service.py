@@ -167,7 +167,8 @@ class ChatService:
         return decision
 
     async def prepare(self, req: ChatCompletionRequest, parent: otel_context.Context) -> Prepared:
-        check_request(req, self.settings.limits)  # unsupported parameters, seed, surrogates, schemas
+        # unsupported parameters, seed, surrogates, schemas: a walk over the whole request, in a worker thread
+        await asyncio.to_thread(check_request, req, self.settings.limits)
         plan = plan_tools(req)
         messages = to_template_messages(req.messages)
         decision = self._route(req, parent)
@@ -176,7 +177,7 @@ class ChatService:
             raise InternalError(f"the router chose {decision.specialist!r}, which is not deployed")
         await self._ensure_ready(decision.specialist)
         try:
-            prompt = render(messages, plan.prompt_tools, add_generation_prompt=True) + plan.forced_prefix
+            prompt = await asyncio.to_thread(render, messages, plan.prompt_tools, True) + plan.forced_prefix
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise BadRequestError(f"cannot render the conversation: {exc}", param="messages") from None
         rid = completion_id()

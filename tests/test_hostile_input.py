@@ -348,6 +348,18 @@ def test_body_shorter_than_content_length_gets_408_and_is_closed(base):
     assert took < LIMITS.body_read_timeout_s + 3.0, took
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "a"}] * 50_000,  # 100k took the router 5 s to validate
+    [{"role": "user", "content": [{"type": "text", "text": "a"}] * 50_000}],
+    [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}] * 30_000},
+     {"role": "user", "content": "a"}],  # 50k took 9 s
+])
+def test_too_many_messages_parts_or_calls_are_refused_before_validation(base, messages):
+    t0 = time.monotonic()
+    err = assert_error(post(base, {"model": "shell", "messages": messages}), 422, code="invalid_value")
+    assert "at most" in err["message"] and time.monotonic() - t0 < 3.0
+
+
 def test_prompt_far_over_the_model_length_is_refused_without_tokenizing(base):
     r = post(base, {"model": "shell", "messages": [{"role": "user", "content": "ab " * 500_000}]})
     err = assert_error(r, 400, code="invalid_prompt")
