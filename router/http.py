@@ -37,6 +37,7 @@ from specialists.telemetry import extract_context
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
+STATUS_DESCRIPTION_CHARS = 1024  # an error can quote the request (a 1 MB model name)
 
 
 def _error_response(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None,
@@ -159,7 +160,7 @@ def _span_headers(headers: dict[str, str]) -> dict[str, str]:
 def _close(span: trace.Span, status: int, exc: BaseException | None = None) -> None:
     span.set_attribute("http.response.status_code", status)
     if exc is not None:
-        span.set_status(Status(StatusCode.ERROR, str(exc)))
+        span.set_status(Status(StatusCode.ERROR, str(exc)[:STATUS_DESCRIPTION_CHARS]))  # span limits do not cap it
         span.record_exception(exc)
     span.end()
 

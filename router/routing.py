@@ -37,7 +37,8 @@ class UnknownModelError(RoutingError):
     """The requested model is neither "auto" nor a specialist this router serves."""
 
     def __init__(self, model: str, served: Sequence[str]) -> None:
-        super().__init__(f"unknown model {model!r}: use {AUTO!r} or one of {sorted(served)}")
+        shown = repr(model) if len(model) <= 200 else f"{model[:200]!r}... ({len(model)} characters)"
+        super().__init__(f"unknown model {shown}: use {AUTO!r} or one of {sorted(served)}")
         self.model = model
         self.served = list(served)
 

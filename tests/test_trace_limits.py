@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from router.backends import LocalBackend, local_specialists
 from router.http import build_http_app
@@ -41,6 +43,8 @@ def test_a_huge_model_name_writes_a_small_trace(tmp_path, limit):
     if limit is not None:
         env["OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"] = str(limit)
     provider = tracer_provider_from_env("router", env)
+    memory = InMemorySpanExporter()  # sees what the file does not hold: status descriptions (OTLP exports them)
+    provider.add_span_processor(SimpleSpanProcessor(memory))
     specs = local_specialists(["shell"], "deploy/models", tracer_provider=provider, warmup=False)
     service = ChatService({"shell": LocalBackend(specs["shell"])}, Router(["shell"], None, "shell"), provider)
     try:
@@ -61,6 +65,7 @@ def test_a_huge_model_name_writes_a_small_trace(tmp_path, limit):
     assert max(len(v) for v in values if isinstance(v, str)) <= cap
     assert any(isinstance(v, str) and v == "m" * cap for v in values)  # the model was recorded, cut
     assert trace_file.stat().st_size < 40 * cap + 20_000, trace_file.stat().st_size
+    assert max(len(s.status.description or "") for s in memory.get_finished_spans()) <= 1024
 
 
 def test_limit_must_be_an_integer(tmp_path):
