@@ -20,14 +20,32 @@ from specialists.models.llama import LlamaModel, UnsupportedModelError
 from state.kv_cache import KVCacheConfig
 from state.ssm_cache import SSMCacheConfig
 
-__all__ = ["InferenceModel", "load_model", "model_from_state_dict", "model_from_hf", "UnsupportedModelError"]
+__all__ = ["InferenceModel", "load_model", "model_from_state_dict", "model_from_hf", "check_supported",
+           "UnsupportedModelError"]
 
 logger = logging.getLogger(__name__)
 
 InferenceModel = Union[LlamaModel, BambaModel]
 
 
-_FAMILIES = {"llama": LlamaModel, "bamba": BambaModel}
+# Qwen2 is Llama with q/k/v biases (o_proj without), which AttentionWeights reads from the state dict.
+_FAMILIES = {"llama": LlamaModel, "qwen2": LlamaModel, "bamba": BambaModel}
+
+
+def check_supported(config: Any) -> type:
+    """The inference class for a transformers config, or UnsupportedModelError: an unknown
+    model_type, or sliding-window attention (we attend to the whole context in every layer)."""
+    cls = _FAMILIES.get(config.model_type)
+    if cls is None:
+        raise UnsupportedModelError(f"model_type {config.model_type!r} is not supported (have {sorted(_FAMILIES)})")
+    if cls is LlamaModel:
+        windowed = [t for t in getattr(config, "layer_types", None) or [] if t != "full_attention"]
+        if getattr(config, "use_sliding_window", False) or windowed:
+            raise UnsupportedModelError(
+                f"{config.model_type}: sliding-window attention (use_sliding_window="
+                f"{getattr(config, 'use_sliding_window', False)}, sliding_window={getattr(config, 'sliding_window', None)}, "
+                f"{len(windowed)} non-full layers) is not supported: every layer here attends to the whole context")
+    return cls
 
 
 def _kv_cache_config(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> KVCacheConfig:
@@ -59,9 +77,7 @@ for _cls in (LlamaModel, BambaModel):
 def model_from_state_dict(
     config: Any, sd: Mapping[str, torch.Tensor], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
 ) -> InferenceModel:
-    cls = _FAMILIES.get(config.model_type)
-    if cls is None:
-        raise UnsupportedModelError(f"model_type {config.model_type!r} is not supported (have {sorted(_FAMILIES)})")
+    cls = check_supported(config)
     # The Mamba2 parameters A_log, D, dt_bias stay fp32 at low precision, as the kernels expect.
     keep_fp32 = ("A_log", "D", "dt_bias")
     cast = {
