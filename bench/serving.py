@@ -57,7 +57,7 @@ async def wait_ready(base_url: str, wait_s: float) -> list[str]:
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() >= deadline:
                 raise ServerNotReady(f"{base_url} is not ready after {wait_s:.0f} s ({last}); start the server with "
-                                     "`RAY_AUTH_MODE=disabled serve run deploy/ensemble.yaml`")
+                                     "`serve run deploy/ensemble.yaml` as README's set-up says")
             await asyncio.sleep(1.0)
 
 
