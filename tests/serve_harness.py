@@ -35,6 +35,7 @@ class Server:
     trace_file: Path
     startup_s: float
     workdir: Path
+    pid: int  # the `serve run` process (its raylet's workers are the replicas)
 
 
 def port_busy(port: int) -> bool:
@@ -78,7 +79,7 @@ def running_server(work: Path, admin_token: str) -> Iterator[Server]:
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        yield Server(env, trace_file, time.monotonic() - start, work)
+        yield Server(env, trace_file, time.monotonic() - start, work, proc.pid)
     finally:
         stop(proc, env)
         log.close()
@@ -171,15 +172,26 @@ def wait_served(base: str, since: float, within_s: float) -> float:
     return float("inf")
 
 
-def replica_pid(deployment: str) -> int:
-    """The PID of the one `ray::ServeReplica:cantata:<deployment>` process on this machine."""
-    want = f"ray::ServeReplica:cantata:{deployment}".encode()
-    pids = []
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, argv[0]) for every process on this machine."""
+    found = {}
     for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().split(b"\0")[0].strip() == want:
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    assert len(pids) == 1, f"{want!r}: {pids}"
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].strip()
+            except OSError:
+                continue
+            found[int(entry.name)] = (int(stat[stat.rindex(")") + 2:].split()[1]), argv0)
+    return found
+
+
+def replica_pid(server: Server, deployment: str) -> int:
+    """The PID of `ray::ServeReplica:cantata:<deployment>` in this server's cluster (a worker of the
+    raylet that its `serve run` started; other clusters on the machine are left alone)."""
+    procs = _processes()
+    raylets = {pid for pid, (ppid, argv0) in procs.items() if ppid == server.pid and argv0.endswith(b"/raylet")}
+    want = f"ray::ServeReplica:cantata:{deployment}".encode()
+    pids = [pid for pid, (ppid, argv0) in procs.items() if ppid in raylets and argv0 == want]
+    assert len(pids) == 1, f"{want!r} under raylet {raylets}: {pids}"
     return pids[0]
