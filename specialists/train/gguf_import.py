@@ -284,8 +284,8 @@ def verify_output(out: Path, manifest: dict) -> None:
 
 
 def _up_to_date(out: Path, wanted: dict, force: bool) -> bool:
-    """True when `out` is this import, verified; False when it is to be (re)built. Never deletes a
-    directory that is not an import."""
+    """True when `out` is this import, verified; False when it is to be (re)built (absent, or an
+    earlier import under --force). Raises for a directory that is not an import."""
     if not out.exists():
         return False
     manifest_path = out / MANIFEST
@@ -301,8 +301,7 @@ def _up_to_date(out: Path, wanted: dict, force: bool) -> bool:
         return True
     if not force:
         raise OutputConflictError(f"{out} holds another import ({have}, asked {wanted}): --force replaces it")
-    log.info("--force: removing the earlier import at %s", out)
-    shutil.rmtree(out)
+    log.info("--force: the earlier import at %s is replaced once the new one is made", out)
     return False
 
 
@@ -331,6 +330,8 @@ def run_import(req: ImportRequest) -> tuple[Path, bool]:
         for path in part.iterdir():  # transformers writes the weights 0600: a server may run as another user
             path.chmod(0o644)
         part.chmod(0o755)
+        if out.exists():  # an earlier import (_up_to_date refuses anything else), replaced under --force
+            shutil.rmtree(out)
         os.replace(part, out)
     finally:
         shutil.rmtree(part, ignore_errors=True)
