@@ -23,7 +23,7 @@ Randomness: every sampled row draws exactly K+1 uniforms per call from its own g
 acceptance tests, one for the extra token), whatever happens, so a seeded sequence is reproducible
 step by step, whatever its neighbours in the batch. Rows of one group (below) that share one
 generator object (or all have none) draw in one call, in row order. Generators must live on the
-logits' device. The per-step draws differ from ``specialists.sampling.sample``'s, so seeded
+logits' device. The per-step draws differ from a plain sampler's, so seeded
 speculative and non-speculative runs emit different (equally distributed) tokens.
 
 Batching: sampled rows are grouped by (rule, temperature, top_k, top_p), host-side values, and each
@@ -43,7 +43,7 @@ from typing import Literal, get_args
 
 import torch
 
-from specialists.sampling import SamplingParams, filtered_probs
+from spec.sampling import SamplingParams, filtered_probs
 
 Method = Literal["greedy", "rejection", "typical"]
 _METHODS = frozenset(get_args(Method))

@@ -31,8 +31,8 @@ from spec.stats import RequestStats, SpecStats
 from spec.triggers import TriggerSet
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
+from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
-from specialists.train.draftvocab import read_draft_vocab
 from specialists.models.mtp import MissingDrafterError, load_drafter
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
