@@ -1,11 +1,12 @@
 """Engine: requests in, token streams out. Owns the scheduler, the runner, the KV and SSM caches.
 
-  engine = Engine.from_pretrained("deploy/models/cpp")
+  engine = Engine.from_pretrained("deploy/models/cpp")               # options by keyword, or
+  engine = Engine.from_pretrained(path, EngineOptions(device="cuda"))  # specialists/options.py
   outs = engine.generate(["def main():"], SamplingParams(max_tokens=32))
 
-One engine step: the scheduler picks prefills and decodes, the speculator drafts, verifies and accepts
-(spec/speculator.py; one host copy), the engine cuts each run at its triggers, KV and SSM state are
-committed, finished sequences release their blocks and slots. No Ray in here.
+One engine step: the scheduler picks prefills and decodes, the speculator plans, proposes, verifies
+and accepts (spec/speculator.py; one host copy), the engine cuts each run at its triggers, KV and SSM
+state are committed, finished sequences release their blocks and slots. No Ray in here.
 """
 
 from __future__ import annotations

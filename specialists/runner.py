@@ -88,6 +88,13 @@ class BatchRow(NamedTuple):
         return len(self.tokens) + self.k
 
 
+class Staged(NamedTuple):
+    """A static step's per-token Mamba states, [Bp, q, L, ...] stacked over its Mamba layers."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
 class StaticOutputs(NamedTuple):
     """What a static step (graph) computes over its padded batch; rewritten by each replay."""
 
@@ -95,7 +102,7 @@ class StaticOutputs(NamedTuple):
     logits: torch.Tensor  # [Tp, V] float32
     best: torch.Tensor  # [Tp] argmax of each logits row
     draft_out: torch.Tensor | None  # [Tp, d] the drafter's rebuilt entries (rebuild in the graph)
-    staged: tuple[torch.Tensor, torch.Tensor] | None  # Mamba conv / SSM states [Bp, q, L, ...] per token
+    staged: Staged | None  # the Mamba layers' per-token states (hybrids)
     packed: torch.Tensor  # [Bp, 2q] the rows' greedy acceptance, spec.acceptance.pack's layout
 
 
@@ -316,7 +323,7 @@ class Runner:
         out = self._static_step(batch, rebuild)
         if out.staged is not None:  # the Mamba states of each token, committed after acceptance (real rows only)
             B = len(rows)
-            self.ssm.stage_all([r.ssm_slot for r in rows], out.staged[0][:B], out.staged[1][:B])
+            self.ssm.stage_all([r.ssm_slot for r in rows], out.staged.conv[:B], out.staged.ssm[:B])
         T = real.num_tokens
         return StepResult(out.logits[:T], out.hidden[:T], real, out)
 
@@ -335,8 +342,8 @@ class Runner:
             best = logits.argmax(-1)
             staged = None
             if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
-                staged = (torch.stack([c for _, c, _ in batch.staged], dim=2),
-                          torch.stack([s for _, _, s in batch.staged], dim=2))
+                staged = Staged(torch.stack([c for _, c, _ in batch.staged], dim=2),
+                                torch.stack([s for _, _, s in batch.staged], dim=2))
             fed = batch.input_ids.view(batch.num_seqs, -1)[:, 1:]  # [Bp, q-1] the drafts verified
             packed = pack(greedy_accept(best.view(batch.num_seqs, -1), fed), fed)
             draft_out = None if rebuild is None else rebuild(batch, hidden, best)
