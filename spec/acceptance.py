@@ -244,7 +244,7 @@ def _groups(params: list[SamplingParams], methods: list[Method]) -> list[_Group]
         if not p.greedy:
             rule: Literal["rejection", "typical"] = "typical" if m == "typical" else "rejection"
             rows.setdefault((rule, p.temperature, p.top_k, p.top_p), []).append(row)
-    return [_Group(tuple(r), *key) for key, r in rows.items()]
+    return [_Group(tuple(r), rule, temperature=t, top_k=k, top_p=p) for (rule, t, k, p), r in rows.items()]
 
 
 Rows = slice | torch.Tensor  # a run of consecutive rows, or row indices [n] int64 on the device

@@ -78,7 +78,7 @@ class Speculator:
         want = [seq.spec_k if drafting and seq.draft_ok else 0 for seq in decodes]
         rows = [Row(seq, True, list(toks)) for seq, toks in prefills]
         rows += [Row(seq, False, [seq.output_ids[-1]], k) for seq, k in zip(decodes, want)]
-        plan = StepPlan(rows, max(want, default=0), method, typical, rebuild)
+        plan = StepPlan(rows, k=max(want, default=0), method=method, typical=typical, rebuild=rebuild)
         if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]

@@ -67,7 +67,7 @@ class PagedDrafter:
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)  # [num_blocks, block_size, H_kv, hd]
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.scratch_block = num_blocks  # the pool's extra block: padding rows read and write only it
-        self.rope = RopeTable(cfg.head_dim, cfg.rope_theta, p.dtype, p.device, max_positions)
+        self.rope = RopeTable(cfg.head_dim, cfg.rope_theta, dtype=p.dtype, device=p.device, positions=max_positions)
         self.scale = cfg.head_dim ** -0.5
         self.vocab = None if vocab is None else vocab.to(p.device)
         self.split_qkv = [cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim]

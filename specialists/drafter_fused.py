@@ -61,7 +61,7 @@ class RopeTable:
     """RoPE per position as [n, 2, 1, hd]: cos, and sin with the rotate-half sign folded in, so that
     x*cos + roll(x, hd/2)*[-sin, sin] equals x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact)."""
 
-    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device, positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, *, dtype: torch.dtype, device: torch.device, positions: int) -> None:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
         self.dtype = dtype
         self.table = torch.empty(0, 2, 1, head_dim, device=device)

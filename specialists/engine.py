@@ -335,8 +335,9 @@ class Engine:
         finished = seq.status is Status.FINISHED
         if finished:
             self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finish_reason,
-                             finished, seq.stats.speculation, seq.stats)
+        return RequestOutput(request_id=seq.request_id, prompt_token_ids=list(seq.prompt_ids),
+                             token_ids=list(seq.output_ids), text=seq.text, finish_reason=seq.finish_reason,
+                             finished=finished, speculation=seq.stats.speculation, stats=seq.stats)
 
     # ---- front ends ----------------------------------------------------------------------------
 

@@ -212,7 +212,7 @@ class Runner:
         self.inputs.ensure(T + pad * q, B + pad, width)
         if static:  # the full width: a graph's views do not depend on the step
             width = self.inputs.max_blocks
-        return _Layout(B, T, B + pad, T + pad * q, q, width, static)
+        return _Layout(B=B, T=T, Bp=B + pad, Tp=T + pad * q, q_pad=q, width=width, static=static)
 
     def _write_rows(self, rows: list[BatchRow], starts: list[int], tables: list[list[int]], lay: _Layout) -> int:
         """Stages every real row (tokens, positions, slots, table, context); -> its logits rows."""
@@ -347,7 +347,7 @@ class Runner:
             fed = batch.input_ids.view(batch.num_seqs, -1)[:, 1:]  # [Bp, q-1] the drafts verified
             packed = pack(greedy_accept(best.view(batch.num_seqs, -1), fed), fed)
             draft_out = None if rebuild is None else rebuild(batch, hidden, best)
-            return StaticOutputs(hidden, logits, best, draft_out, staged, packed)
+            return StaticOutputs(hidden=hidden, logits=logits, best=best, draft_out=draft_out, staged=staged, packed=packed)
 
         return self.graphs.run(_step_key(batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild), step)
 
@@ -363,7 +363,7 @@ class Runner:
             return False
         inp = self.inputs
         inp.ensure(Bp * q, Bp, inp.max_blocks)
-        lay = _Layout(0, 0, Bp, Bp * q, q, inp.max_blocks, True)
+        lay = _Layout(B=0, T=0, Bp=Bp, Tp=Bp * q, q_pad=q, width=inp.max_blocks, static=True)
         inp.tables(Bp, lay.width)[:] = 0
         inp.staging("query_start_loc", 1)[0] = 0
         self._pad_rows(0, Bp, 0, q, True, lay.width)
