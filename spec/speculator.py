@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
-from spec.step import AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan, Verified
+from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
 
 
 class Speculator:
@@ -65,12 +65,12 @@ class Speculator:
         plan = self.plan(prefills, decodes, method, typical, rebuild)
         proposal = self.propose(plan)
         t1 = time.perf_counter()
-        verified = self.verify(plan, proposal)
-        out = self.finish(plan, verified)
+        forward = self.verify(plan, proposal)
+        out = self.finish(plan, forward, self.accept(plan, proposal, forward))
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return plan.rows, out
 
-    # ---- plan -> propose -> verify (accept) -> finish ------------------------------------------
+    # ---- plan -> propose -> verify -> accept -> finish ------------------------------------------
 
     def plan(self, prefills: list[tuple[Any, list[int]]], decodes: list[Any], method: Method,
              typical: TypicalParams, rebuild: bool) -> StepPlan:
@@ -114,13 +114,17 @@ class Speculator:
             drafts = full
         return Proposal(drafts)
 
-    def verify(self, plan: StepPlan, proposal: Proposal) -> Verified:
-        """The target's forward over the plan with the proposal's drafts, and its acceptance (device)."""
+    def verify(self, plan: StepPlan, proposal: Proposal) -> Any:
+        """The target's forward over the plan with the proposal's drafts (a static greedy step: with
+        its acceptance and the drafter's rebuild in the graph) -> the runner's StepResult."""
         in_graph = self._rebuild_in_graph(plan)
-        res = self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None)
+        return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None)
+
+    def accept(self, plan: StepPlan, proposal: Proposal, res: Any) -> Accepted:
+        """Each row's kept drafts and target token (spec/acceptance.py), packed for the host; on the device."""
         B = len(plan.rows)
         if res.static is not None and plan.greedy:  # the graph accepted and packed its rows
-            return Verified(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B], res)
+            return Accepted(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B])
         drafts = None if proposal.drafts is None else proposal.drafts[:B]
         lidx = self._logits_rows(plan)
         if plan.greedy:  # the target's argmax after each position; exact
@@ -132,28 +136,28 @@ class Speculator:
             fed = drafts if drafts is not None else torch.zeros(B, 0, dtype=torch.int64, device=self.device)
             result = accept(target, fed, self._num_drafts(plan), [r.seq.params for r in plan.rows], [plan.method] * B,
                             [r.seq.generator for r in plan.rows], typical=plan.typical)
-        return Verified(result.tokens, pack(result, drafts), res)
+        return Accepted(result.tokens, pack(result, drafts))
 
-    def finish(self, plan: StepPlan, verified: Verified) -> StepOutput:
+    def finish(self, plan: StepPlan, forward: Any, accepted: Accepted) -> StepOutput:
         """The drafter's rebuild, then the step's one host sync; a greedy static step drafts the next
         step's chain on the device behind the copy."""
-        static = verified.forward.static
+        static = forward.static
         if self._rebuild_in_graph(plan):
             self._draft_out = static.draft_out
         elif plan.rebuild and self.drafter is not None:
-            self._rebuild(plan, verified.forward, verified.tokens)
+            self._rebuild(plan, forward, accepted.tokens)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan)
         chain: Callable[[], torch.Tensor | None] = lambda: None  # noqa: E731
         if ahead:
             ctx, tables = self.runner.static_views(plan.static.rows)
             chain = lambda: self.drafter.chain_ahead(static.draft_out, static.packed, ctx, tables,  # noqa: E731
                                                      plan.k, plan.static.width)
-        if ahead and verified.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
-            wait = self._host_copy(verified.packed)
+        if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
+            wait = self._host_copy(accepted.packed)
             drafts_next = chain()
             host = wait()
         else:
-            host = verified.packed.tolist()  # the one host sync of the step
+            host = accepted.packed.tolist()  # the one host sync of the step
             drafts_next = chain()
         runs, drafts = unpack(host, [r.k for r in plan.rows], plan.k)
         if ahead:  # valid next step if every run is committed whole and the same sequences decode

@@ -1,5 +1,5 @@
-"""The named data of one speculative step (spec/speculator.py): plan -> proposal -> verify ->
-acceptance -> output. Host lists and device tensors are kept apart: a row's host tokens are what the
+"""The named data of one speculative step (spec/speculator.py): plan -> proposal -> (the runner's
+forward) -> acceptance -> output. Host lists and device tensors are kept apart: a row's host tokens are what the
 host knows before the step (a prefill's tokens, a decode's last token); its drafts stay on the device
 in the proposal until the step's one host copy brings them back with the acceptance.
 """
@@ -97,12 +97,11 @@ class AheadChain:
 
 
 @dataclass
-class Verified:
-    """The target's verdict on a plan, on the device."""
+class Accepted:
+    """The acceptance of a verified plan, on the device (spec/acceptance.py)."""
 
     tokens: torch.Tensor  # [B, k+1] each row's run first (kept drafts, target token), then ignored entries
     packed: torch.Tensor  # [B, 1 + (k+1) + k] spec.acceptance.pack: the step's one host copy
-    forward: Any  # specialists.runner.StepResult: logits, hidden states, the batch, a static step's outputs
 
 
 @dataclass
