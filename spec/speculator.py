@@ -172,7 +172,14 @@ class Speculator:
         return plan.static is not None and plan.rebuild and plan.greedy and self.drafter is not None
 
     def _num_drafts(self, plan: StepPlan) -> torch.Tensor:  # [B] int64
-        return torch.tensor([r.k for r in plan.rows], dtype=torch.int64, device=self.device)
+        return self._device_ints([r.k for r in plan.rows])
+
+    def _device_ints(self, values: list) -> torch.Tensor:
+        """A host list as an int64 device tensor; on CUDA from pinned memory without blocking the host
+        (no sync: the step's one host copy stays its only one)."""
+        if self.device.type == "cuda":
+            return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _logits_rows(self, plan: StepPlan) -> torch.Tensor | None:
         """[B, k+1] logits row of each row's positions (a row with fewer repeats its last one, ignored);
@@ -184,7 +191,7 @@ class Speculator:
         for m in counts:
             lidx.append([n + min(j, m - 1) for j in range(plan.k + 1)])
             n += m
-        return torch.tensor(lidx, device=self.device)
+        return self._device_ints(lidx)
 
     def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
         """An eager chain: -> drafts [S, k] (k <= kmax) and how many each sequence should verify (host)."""
