@@ -78,7 +78,8 @@ class Speculator:
         want = [seq.spec_k if drafting and seq.draft_ok else 0 for seq in decodes]
         rows = [Row(seq, True, list(toks)) for seq, toks in prefills]
         rows += [Row(seq, False, [seq.output_ids[-1]], k) for seq, k in zip(decodes, want)]
-        plan = StepPlan(rows, k=max(want, default=0), method=method, typical=typical, rebuild=rebuild)
+        plan = StepPlan(rows, k=max(want, default=0), method=method, typical=typical, rebuild=rebuild,
+                        greedy=all(r.seq.params.greedy for r in rows))
         if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
@@ -147,18 +148,13 @@ class Speculator:
         elif plan.rebuild and self.drafter is not None:
             self._rebuild(plan, forward, accepted.tokens)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan)
-        chain: Callable[[], torch.Tensor | None] = lambda: None  # noqa: E731
-        if ahead:
-            ctx, tables = self.runner.static_views(plan.static.rows)
-            chain = lambda: self.drafter.chain_ahead(static.draft_out, static.packed, ctx, tables,  # noqa: E731
-                                                     plan.k, plan.static.width)
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
             wait = self._host_copy(accepted.packed)
-            drafts_next = chain()
+            drafts_next = self._chain_ahead(plan, static)
             host = wait()
         else:
             host = accepted.packed.tolist()  # the one host sync of the step
-            drafts_next = chain()
+            drafts_next = self._chain_ahead(plan, static) if ahead else None
         runs, drafts = unpack(host, [r.k for r in plan.rows], plan.k)
         if ahead:  # valid next step if every run is committed whole and the same sequences decode
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
@@ -170,6 +166,11 @@ class Speculator:
     def _rebuild_in_graph(self, plan: StepPlan) -> bool:
         """A greedy static step's rebuild runs in the verify's graph (next tokens: the argmaxes)."""
         return plan.static is not None and plan.rebuild and plan.greedy and self.drafter is not None
+
+    def _chain_ahead(self, plan: StepPlan, static: Any) -> torch.Tensor:
+        """The next step's drafts [Bp, k], drafted on the device from this verify's graph outputs."""
+        ctx, tables = self.runner.static_views(plan.static.rows)
+        return self.drafter.chain_ahead(static.draft_out, static.packed, ctx, tables, plan.k, plan.static.width)
 
     def _num_drafts(self, plan: StepPlan) -> torch.Tensor:  # [B] int64
         return self._device_ints([r.k for r in plan.rows])

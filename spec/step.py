@@ -54,16 +54,8 @@ class StepPlan:
     method: Method  # acceptance of sampled rows (greedy rows are exact whatever the method)
     typical: TypicalParams
     rebuild: bool  # rebuild the drafter's entries from this step's hidden states
+    greedy: bool  # every row greedy: exact acceptance by the target's argmax
     static: StaticShape | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return all(r.seq.params.greedy for r in self.rows)
-
-    @property
-    def uniform(self) -> bool:
-        """Every row a decode of k drafts: logits rows come as [B, k + 1] without padding."""
-        return all(not r.prefill and r.k == self.k for r in self.rows)
 
     def settle(self, num_drafts: list[int]) -> None:
         """Each row's drafts once they are proposed (a chain may stop early), and the batch layout."""
