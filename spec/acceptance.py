@@ -23,7 +23,7 @@ Randomness: every sampled row draws exactly K+1 uniforms per call from its own g
 acceptance tests, one for the extra token), whatever happens, so a seeded sequence is reproducible
 step by step, whatever its neighbours in the batch. Rows of one group (below) that share one
 generator object (or all have none) draw in one call, in row order. Generators must live on the
-logits' device. The per-step draws differ from ``specialists.sampling.sample``'s, so seeded
+logits' device. The per-step draws differ from a plain sampler's, so seeded
 speculative and non-speculative runs emit different (equally distributed) tokens.
 
 Batching: sampled rows are grouped by (rule, temperature, top_k, top_p), host-side values, and each
@@ -34,6 +34,13 @@ per-row generators), never over tokens.
 No host sync: nothing here reads a tensor value on the host (checked on an H200 under
 ``torch.cuda.set_sync_debug_mode("error")``). The caller copies ``num_accepted`` and ``tokens`` to
 the host once per step.
+
+One owner, one layout: every speculative step (greedy or sampled, eager or static, and the drafter's
+chain drafted ahead inside a CUDA graph) decides its kept drafts here. ``greedy_accept`` is the cheap
+all-greedy rule (the target's argmax ids compared with the drafts, vectorized: 4 small ops, no
+logits work); ``accept`` uses it for its greedy rows. ``pack`` lays a result out as the step's one
+device -> host copy, [B, 1 + (K+1) + K]: the kept count, the tokens, the drafts verified; ``unpack``
+reads that copy back into each row's run and drafts.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Literal, get_args
 
 import torch
 
-from specialists.sampling import SamplingParams, filtered_probs
+from spec.sampling import SamplingParams, filtered_probs
 
 Method = Literal["greedy", "rejection", "typical"]
 _METHODS = frozenset(get_args(Method))
@@ -62,7 +69,43 @@ class TypicalParams:
 @dataclass
 class AcceptanceResult:
     num_accepted: torch.Tensor  # [B] int64, drafts kept, 0..num_drafts[b]
-    tokens: torch.Tensor  # [B, K+1] int64: kept drafts, then the target's extra token, the rest -1
+    # [B, K+1] int64: row b's run is tokens[b, :num_accepted[b] + 1] (kept drafts, then the target's extra
+    # token); the entries after it are -1 from `accept`, the target's argmaxes from `greedy_accept`
+    tokens: torch.Tensor
+
+
+def greedy_accept(
+    argmax: torch.Tensor,  # [B, K+1] int64, the target's argmax after each fed position
+    drafts: torch.Tensor | None,  # [B, K] int64 (None: K = 0, nothing drafted)
+    num_drafts: torch.Tensor | None = None,  # [B] int64, 0..K (None: every row verifies K drafts)
+) -> AcceptanceResult:
+    """Greedy acceptance, exact: keep the leading drafts equal to the target's argmax; the extra
+    token is the argmax at the stop row, so the run is the first kept + 1 argmaxes. No host sync."""
+    if drafts is None or drafts.shape[1] == 0:
+        return AcceptanceResult(argmax.new_zeros(argmax.shape[0]), argmax)
+    k = drafts.shape[1]
+    keep = drafts == argmax[:, :k]  # [B, K]
+    if num_drafts is not None:
+        keep &= torch.arange(k, device=drafts.device) < num_drafts[:, None]
+    return AcceptanceResult(_kept_prefix(keep), argmax)
+
+
+def pack(result: AcceptanceResult, drafts: torch.Tensor | None) -> torch.Tensor:
+    """-> [B, 1 + (K+1) + K] int64, the step's one host copy: kept count, tokens, drafts (K = 0: none)."""
+    parts = [result.num_accepted[:, None], result.tokens]
+    if drafts is not None and drafts.shape[1]:
+        parts.append(drafts)
+    return torch.cat(parts, dim=1)
+
+
+def unpack(host: list[list[int]], num_drafts: list[int], k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """`pack`'s rows on the host (K = k) -> (runs, verified drafts) per row: a run is the kept drafts
+    and the target's token; row b's drafts are its first num_drafts[b]."""
+    runs, drafts = [], []
+    for h, n in zip(host, num_drafts):
+        runs.append(h[1 : h[0] + 2])
+        drafts.append(h[k + 2 : k + 2 + n])
+    return runs, drafts
 
 
 @dataclass(frozen=True)
@@ -97,7 +140,7 @@ def accept(
 
     # Greedy for every row (cheap); each group of sampled rows overwrites its rows below.
     argmax = target_logits.argmax(-1)  # [B, K+1]
-    num_accepted = _kept_prefix((drafts == argmax[:, :k]) & valid)  # [B]
+    num_accepted = greedy_accept(argmax, drafts, num_drafts).num_accepted  # [B]
     extra = argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
 
     for group in _groups(params, methods):
@@ -201,7 +244,7 @@ def _groups(params: list[SamplingParams], methods: list[Method]) -> list[_Group]
         if not p.greedy:
             rule: Literal["rejection", "typical"] = "typical" if m == "typical" else "rejection"
             rows.setdefault((rule, p.temperature, p.top_k, p.top_p), []).append(row)
-    return [_Group(tuple(r), *key) for key, r in rows.items()]
+    return [_Group(tuple(r), rule, temperature=t, top_k=k, top_p=p) for (rule, t, k, p), r in rows.items()]
 
 
 Rows = slice | torch.Tensor  # a run of consecutive rows, or row indices [n] int64 on the device

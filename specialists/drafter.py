@@ -15,6 +15,10 @@ Each engine step:
     own hidden states (prefill tokens, or [x, d1..dK] of a verify), overwriting the chained ones. Entries
     past the accepted length are garbage at indices >= the new committed length; nothing reads them
     before the next step overwrites them.
+  - `chain_static` / `chain_ahead` (static steps, CUDA graphs on a GPU): the chain in fixed shapes,
+    from the host's lists, or drafted on the device right after a greedy verify from its acceptance.
+
+Its folded weights, RoPE table and fused (Triton) static paths are in specialists/drafter_fused.py.
 """
 
 from __future__ import annotations
@@ -22,41 +26,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specialists.drafter_fused import ENTRY_ROWS, FusedPaths
-from specialists.graphs import GraphCache, graphs_allowed
+from specialists.drafter_fused import ENTRY_ROWS, DrafterWeights, FusedDrafter, RopeTable
+from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
 from specialists.ops.attention import grouped_attention, paged_attention, workspace, write_kv
 from specialists.ops.linear import proposal_linear
 
 
-def _fused_ops(device: torch.device, fused: bool | None):
-    """specialists.ops.fused when the static paths should use it: `fused` True (CPU tensors need
-    TRITON_INTERPRET=1), or None on a CUDA device where Triton imports; else None."""
-    if fused is False or (fused is None and device.type != "cuda"):
+def _fused_ops(fused: bool):
+    """specialists.ops.fused when the static paths should use it (CPU tensors need TRITON_INTERPRET=1)."""
+    if not fused:
         return None
-    try:
-        from specialists.ops import fused as ops
-    except ImportError:
-        if fused:
-            raise
-        return None
+    from specialists.ops import fused as ops
+
     return ops
 
 
-class PagedDrafter(FusedPaths):
+class PagedDrafter:
     def __init__(
         self,
         drafter: MTPDrafter,
         embed: torch.Tensor,  # [V, d] the target's input embedding
         lm_head: torch.Tensor,  # [V, d] the target's lm_head
+        *,
         num_blocks: int,
         block_size: int,
         vocab: torch.Tensor | None = None,  # [N] int64 token ids the drafter may propose (None: all)
         min_confidence: float = 0.0,  # stop a chain at the first draft whose probability is below this
-        cuda_graphs: bool | None = None,  # chain_static as CUDA graphs (None: on a CUDA device)
+        cuda_graphs: bool = False,  # chain_static / chain_ahead as CUDA graphs
         max_positions: int = 4096,  # RoPE positions the tables hold from the start (graphs read them)
-        fused: bool | None = None,  # static chains and rebuilds through Triton kernels (None: on CUDA with Triton)
+        fused: bool = False,  # static chains and rebuilds through Triton kernels
     ) -> None:
         cfg = drafter.cfg
         self.drafter, self.cfg = drafter, cfg
@@ -66,51 +66,33 @@ class PagedDrafter(FusedPaths):
         shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)  # [num_blocks, block_size, H_kv, hd]
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        hd = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=p.device, dtype=torch.float32) / hd))
-        self._cs = torch.empty(0, 2, 1, hd, device=p.device)  # [positions, 2, 1, hd] cos / signed sin, grown on demand
-        self.scale = hd ** -0.5
+        self.scratch_block = num_blocks  # the pool's extra block: padding rows read and write only it
+        self.rope = RopeTable(cfg.head_dim, cfg.rope_theta, dtype=p.dtype, device=p.device, positions=max_positions)
+        self.scale = cfg.head_dim ** -0.5
         self.vocab = None if vocab is None else vocab.to(p.device)
-        self.split_qkv = [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd]
+        self.split_qkv = [cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim]
         self.eps = cfg.rms_norm_eps
         self.min_confidence = min_confidence
-        self.graphs = GraphCache(graphs_allowed(p.device, cuda_graphs))
+        self.graphs = GraphCache(cuda_graphs)
         self._static: dict[tuple, tuple] = {}  # (rows, k, width) -> the static inputs of chain_static
-        self.scratch_block = num_blocks  # the pool's extra block: padding rows read and write only it
         # a static rebuild's entry outputs (its graph writes them here, fused); a static chain reads its
         # sequences' last entries from here inside its graph (any other source is copied in first)
         self._entries = torch.zeros(ENTRY_ROWS, cfg.hidden_size, dtype=p.dtype, device=p.device)
-        self._fused = _fused_ops(p.device, fused)  # specialists.ops.fused, or None
-        self._grow(max_positions)
-        d = cfg.hidden_size
-        blk = drafter.block
+        ops = _fused_ops(fused)
         # Each RMSNorm's gain is folded into the columns of the product that reads it. On the CPU its
         # sqrt(d) too, so a norm is x / |x| (3 cheap ops for F.rms_norm's ~9 us; the eps term is
         # dropped, a relative change of ~eps / mean(x^2), ~1e-5, in a proposal); on a GPU the norm
         # stays F.rms_norm without a gain (one fused kernel).
-        self._cpu = p.device.type == "cpu" and self._fused is None
-        gain = d ** 0.5 if self._cpu else 1.0
-        with torch.no_grad():
-            def fold(w: torch.Tensor, norm) -> torch.Tensor:
-                return w.detach() * (norm.weight.detach() * gain)[None, :]
-
-            # fuse(prev, token) = proj([hidden_norm(prev), embed_norm(emb)]) = W_h hidden_norm(prev) + T[token],
-            # with T = embed_norm(E) W_e^T precomputed for the whole vocabulary ([V, d], one row read per token)
-            w = drafter.proj.weight  # [d, 2d]
-            emb = F.rms_norm(embed.to(p.dtype), (d,), drafter.embed_norm.weight, self.eps)
-            self.token_proj = F.linear(emb, w[:, d:]).contiguous()  # [V, d]
-            # drafts are proposals (verification decides), so on the CPU the products read int8 copies
-            # of the weights (bf16 activations): a quarter of the bytes of the reads that dominate a
-            # step. q, k, v in one product, gate and up in one.
-            qkv = torch.cat([blk.q_proj.weight, blk.k_proj.weight, blk.v_proj.weight])
-            gate_up = torch.cat([blk.gate_proj.weight, blk.up_proj.weight])
-            head = lm_head if vocab is None else lm_head[self.vocab]  # [N, d]
-            # the folded weights (the fused kernels read them as they are)
-            self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.w_hidden, self.w_head = (m.contiguous() for m in (
-                fold(qkv, blk.attn_norm), blk.o_proj.weight.detach(), fold(gate_up, blk.mlp_norm),
-                blk.down_proj.weight.detach(), fold(w[:, :d], drafter.hidden_norm), fold(head, drafter.final_norm)))
-            self.mm_qkv, self.mm_o, self.mm_gate_up, self.mm_down, self.mm_hidden, self.mm_head = (
-                proposal_linear(m) for m in (self.w_qkv, self.w_o, self.w_gate_up, self.w_down, self.w_hidden, self.w_head))
+        self._cpu = p.device.type == "cpu" and ops is None
+        self.weights = DrafterWeights.fold(drafter, embed, lm_head, self.vocab, cfg.hidden_size ** 0.5 if self._cpu else 1.0)
+        # drafts are proposals (verification decides), so on the CPU the products read int8 copies of
+        # the weights (bf16 activations): a quarter of the bytes of the reads that dominate a step
+        w = self.weights
+        self.mm_qkv, self.mm_o, self.mm_gate_up, self.mm_down, self.mm_hidden, self.mm_head = (
+            proposal_linear(m) for m in (w.qkv, w.o, w.gate_up, w.down, w.hidden, w.head))
+        self.fused = None if ops is None else FusedDrafter(
+            ops, w, self.rope, pool=(self.k, self.v), heads=(cfg.num_attention_heads, cfg.num_key_value_heads),
+            eps=self.eps, vocab=self.vocab, entries=self._entries)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -119,30 +101,15 @@ class PagedDrafter(FusedPaths):
     @property
     def chains_in_pool(self) -> bool:
         """Whether a static chain writes its chained entries into the pool (the fused one does)."""
-        return self._fused is not None
+        return self.fused is not None
 
     def _unit(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> RMSNorm without its gain (that is in the next weight)
         if self._cpu:  # x / |x|: the sqrt(d) is in the weight too
             return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-12)
         return F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
-    def _tables(self, pos: torch.Tensor, max_pos: int) -> torch.Tensor:  # -> [T, 2, 1, hd]: cos, signed sin
-        """RoPE tables with the rotate-half sign folded into sin: x*cos + roll(x, hd/2)*[-sin, sin]
-        equals x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact), in two fewer ops."""
-        self._grow(max_pos)
-        return self._cs[pos]
-
-    def _grow(self, max_pos: int) -> None:
-        if max_pos >= self._cs.shape[0]:
-            if len(self.graphs):  # captured graphs read the table: it must not move under them
-                raise RuntimeError(f"RoPE position {max_pos} past the {self._cs.shape[0]} reserved (max_positions)")
-            n = max(2 * max_pos, 1024)
-            angles = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
-            emb = torch.cat([angles, angles], dim=-1)
-            h = emb.shape[-1] // 2
-            sin = emb.sin()
-            sin[:, :h].neg_()
-            self._cs = torch.stack([emb.cos(), sin], dim=1)[:, :, None].to(self.k.dtype)  # [n, 2, 1, hd]
+    def _grow(self, max_pos: int) -> None:  # outside a capture: captured graphs read the table
+        self.rope.grow(max_pos, frozen=len(self.graphs) > 0)
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, max_pos: int):  # x [T, d], pos [T] rope positions <= max_pos
         cfg = self.cfg
@@ -150,7 +117,8 @@ class PagedDrafter(FusedPaths):
         nq, nk = self.split_qkv[0], self.split_qkv[1]
         qkv = self.mm_qkv(self._unit(x))
         qk = qkv[:, : nq + nk].view(t, cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
-        cs = self._tables(pos, max_pos)
+        self._grow(max_pos)
+        cs = self.rope.table[pos]  # [T, 2, 1, hd]
         qk = qk * cs[:, 0] + qk.roll(cfg.head_dim // 2, -1) * cs[:, 1]  # q and k heads rotated at once
         q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
         return q, k, qkv[:, nq + nk :].view(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -161,7 +129,7 @@ class PagedDrafter(FusedPaths):
         return x + self.mm_down(F.silu(gate) * up)
 
     def _fuse(self, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [T, d], [T] -> [T, d]
-        return self.mm_hidden(self._unit(prev)) + self.token_proj[tokens]
+        return self.mm_hidden(self._unit(prev)) + self.weights.token_proj[tokens]
 
     @torch.inference_mode()
     def rebuild(
@@ -170,8 +138,8 @@ class PagedDrafter(FusedPaths):
         hidden: torch.Tensor,  # [T, d] the target's final-normed hidden states of every token
         next_tokens: torch.Tensor,  # [T] int64, the token that follows each one (garbage where not kept)
     ) -> torch.Tensor:  # [T, d] entry outputs
-        if self._fused is not None and batch.static:  # rows of one length: a few Triton kernels
-            return self._rebuild_fused(batch, hidden.to(self.k.dtype), next_tokens)
+        if self.fused is not None and batch.static:  # rows of one length: a few Triton kernels
+            return self.fused.rebuild(batch, hidden.to(self.k.dtype), next_tokens)
         x = self._fuse(hidden.to(self.k.dtype), next_tokens.clamp(min=0))
         q, k, v = self._qkv(x, batch.positions + 1, batch.max_context_len)
         write_kv(k, v, self.k, self.v, batch.slot_mapping)
@@ -253,14 +221,14 @@ class PagedDrafter(FusedPaths):
     def chain_ahead(
         self,
         source: torch.Tensor,  # [Tp, d] a greedy static verify's rebuilt entry outputs (row b*q + j: row b's token j)
-        packed: torch.Tensor,  # [Bp, 2q - 1] its argmaxes, then the drafts it was fed (q = k + 1)
+        packed: torch.Tensor,  # [Bp, 2q] its greedy acceptance (spec.acceptance.pack: kept count first)
         context: torch.Tensor,  # [Bp] its context lengths (committed + q)
         tables: torch.Tensor,  # [Bp, >= width / block_size] its block tables, reserved through C' + k - 2
         k: int,
         width: int,  # the verify's context width (>= every C')
     ) -> torch.Tensor:  # [Bp, k] drafts for the next step, a static tensor
         """The next step's chain, drafted right after the verify on the device alone: row b keeps a_b
-        drafts (the leading ones equal to the target's argmax), so it will have committed
+        drafts (packed's first column, spec.acceptance.greedy_accept's count), so it will have committed
         C' = context - q + a_b + 1 tokens and its last entry is source row b*q + a_b. A CUDA graph per
         input set; valid for the next step only if the host then commits exactly those tokens."""
         if self.min_confidence > 0:
@@ -270,7 +238,7 @@ class PagedDrafter(FusedPaths):
         key = ("ahead", Bp, k, width) + tuple((t.data_ptr(), t.shape[0]) for t in (source, packed, context, tables))
 
         def chain() -> torch.Tensor:
-            kept = (packed[:, q:] == packed[:, :k]).to(torch.int64).cumprod(1).sum(1)  # [Bp]
+            kept = packed[:, 0]  # [Bp] drafts kept by the verify's greedy acceptance
             c = torch.where(context > q, context - q + kept + 1, 0)  # padding rows (context q): 0, the scratch block
             prev = source.index_select(0, torch.arange(Bp, device=source.device) * q + kept)
             return self._static_drafts(prev, c, tables, k, width)
@@ -291,8 +259,8 @@ class PagedDrafter(FusedPaths):
     def _static_drafts(self, prev: torch.Tensor, c: torch.Tensor, tables: torch.Tensor, k: int, width: int) -> torch.Tensor:
         """A static chain's drafts [B, k] from prev [B, d], contexts c [B] and tables [B, >= width /
         block_size]: the fused kernels, else `_chain` over the tables' first width positions."""
-        if self._fused is not None:
-            return self._chain_fused(prev, c, tables, k, width)
+        if self.fused is not None:
+            return self.fused.chain(prev, c, tables, k, width)
         return self._chain(prev, c, tables[:, :width // self.block_size].reshape(-1), k, width, masked=True)[0]
 
     def _chain(self, prev: torch.Tensor, c: torch.Tensor, tab: torch.Tensor, k: int, width: int,

@@ -1,11 +1,12 @@
 """Engine: requests in, token streams out. Owns the scheduler, the runner, the KV and SSM caches.
 
-  engine = Engine.from_pretrained("deploy/models/cpp")
+  engine = Engine.from_pretrained("deploy/models/cpp")               # options by keyword, or
+  engine = Engine.from_pretrained(path, EngineOptions(device="cuda"))  # specialists/options.py
   outs = engine.generate(["def main():"], SamplingParams(max_tokens=32))
 
-One engine step: the scheduler picks prefills and decodes, the speculator drafts, verifies and accepts
-(spec/speculator.py; one host copy), the engine cuts each run at its triggers, KV and SSM state are
-committed, finished sequences release their blocks and slots. No Ray in here.
+One engine step: the scheduler picks prefills and decodes, the speculator plans, proposes, verifies
+and accepts (spec/speculator.py; one host copy), the engine cuts each run at its triggers, KV and SSM
+state are committed, finished sequences release their blocks and slots. No Ray in here.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from spec.stats import RequestStats, SpecStats
 from spec.triggers import TriggerSet
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
+from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
-from specialists.train.draftvocab import read_draft_vocab
-from specialists.models.mtp import MissingDrafterError, load_drafter
+from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
+from specialists.options import EngineConfig, EngineOptions
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
 from specialists.scheduler import Scheduler, Sequence, Status
@@ -66,39 +68,23 @@ def _merge_status(before: str, now: str) -> str:
     return "on" if "on" in (before, now) else "off"
 
 
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 16
-    max_model_len: int = 2048
-    block_size: int = 16
-    num_blocks: int | None = None  # default: room for max_num_seqs full-length sequences
-    enable_prefix_cache: bool = True
-    max_num_batched_tokens: int = 4096
-    check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
-    draft_min_confidence: float | None = None  # stop drafting below this drafter probability (None: off)
-    pad_batches: bool | None = None  # pad decode/verify batches to batch-size buckets (None: on CUDA only)
-    cuda_graphs: bool | None = None  # decode / verify steps as CUDA graphs (None: on CUDA; CANTATA_CUDA_GRAPHS=0 off)
-    static_batches: bool = False  # run the graphs' static batches eagerly where there are no graphs (tests)
-    fused_drafter: bool | None = None  # static chains / rebuilds through Triton kernels (None: on CUDA with Triton)
-
-
 class Engine:
-    def __init__(self, model, tokenizer, cfg: EngineConfig, device: str | torch.device = "cpu",
-                 drafter=None, policy: SpeculationPolicy | None = None, draft_vocab: torch.Tensor | None = None) -> None:
-        self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, device
+    def __init__(self, model, tokenizer, cfg: EngineConfig, *, drafter: MTPDrafter | None = None,
+                 policy: SpeculationPolicy | None = None, draft_vocab: torch.Tensor | None = None) -> None:
+        """`cfg`: resolved options (EngineOptions.resolve); `drafter`: the checkpoint's MTP drafter (None:
+        no speculation); `draft_vocab`: [N] token ids the drafter may propose (None: all)."""
+        self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, cfg.device
         hybrid = model.num_mamba_layers > 0
         if hybrid and cfg.enable_prefix_cache:
             log.info("prefix cache off: hybrid model (SSM state is not snapshotted per block yet)")
-        num_blocks = cfg.num_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
-        self.kv = KVCache(model.kv_cache_config(num_blocks, cfg.block_size, cfg.enable_prefix_cache and not hybrid))
+        self.kv = KVCache(model.kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache and not hybrid))
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = Runner(model, self.kv, self.ssm, device, cfg.pad_batches, cfg.cuda_graphs, cfg.static_batches,
-                             cfg.max_model_len, cfg.max_num_seqs)
-        conf = cfg.draft_min_confidence or 0.0  # None: off (a full int8 chain costs less than the drafts it loses)
-        self.drafter = (PagedDrafter(drafter, model.embed, model.lm_head, num_blocks, cfg.block_size, draft_vocab, conf,
-                                     cfg.cuda_graphs, self.runner.max_context_width + 64, cfg.fused_drafter)
-                        if drafter is not None else None)
+        self.runner = Runner(model, self.kv, self.ssm, cfg)
+        self.drafter = None if drafter is None else PagedDrafter(
+            drafter, model.embed, model.lm_head, num_blocks=cfg.num_blocks, block_size=cfg.block_size, vocab=draft_vocab,
+            min_confidence=cfg.draft_min_confidence, cuda_graphs=cfg.cuda_graphs,
+            max_positions=self.runner.max_context_width + 64, fused=cfg.fused_drafter)
         if policy is None:
             policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")
         if drafter is None and policy.mode != "off":
@@ -122,45 +108,27 @@ class Engine:
         self.ready = False
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_num_seqs: int = 16,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        enable_prefix_cache: bool = True,
-        policy: SpeculationPolicy | None = None,
-        load_mtp: bool = True,
-        draft_vocab_size: int | None = None,
-        draft_min_confidence: float | None = None,
-        pad_batches: bool | None = None,
-        cuda_graphs: bool | None = None,
-        static_batches: bool = False,
-        fused_drafter: bool | None = None,
-    ) -> "Engine":
-        """`policy` None: speculation in the default policy when the checkpoint has a drafter, off
-        otherwise; asking for speculation without a drafter raises MissingDrafterError.
-        `draft_vocab_size`: draft over the first N tokens of mtp_vocab.safetensors (None: all of
-        that file; 0: the whole vocabulary, also what a checkpoint without the file gets)."""
-        model = load_model(path, device=device, dtype=dtype)
+    def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,
+                        policy: SpeculationPolicy | None = None, **kw) -> "Engine":
+        """An engine over a checkpoint directory. `options` (specialists/options.py), or its fields as
+        keywords (Engine.from_pretrained(path, device="cuda", max_num_seqs=8)); both: the keywords win.
+        `policy` None: speculation in the default policy when the checkpoint has a drafter, off
+        otherwise; asking for speculation without a drafter raises MissingDrafterError."""
+        opts = EngineOptions.from_keywords(options, **kw)
+        model = load_model(path, device=opts.device, dtype=opts.dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        limit = min(model.config.max_position_embeddings, max_model_len or 2048)
-        cfg = EngineConfig(max_num_seqs, limit, block_size, num_blocks, enable_prefix_cache,
-                           draft_min_confidence=draft_min_confidence, pad_batches=pad_batches,
-                           cuda_graphs=cuda_graphs, static_batches=static_batches, fused_drafter=fused_drafter)
+        cfg = opts.resolve(model.config.max_position_embeddings)
         drafter = None
-        if load_mtp and (policy is None or policy.mode != "off"):
+        if opts.load_mtp and (policy is None or policy.mode != "off"):
             try:
-                drafter = load_drafter(Path(path), device=device, dtype=dtype)
+                drafter = load_drafter(Path(path), device=opts.device, dtype=opts.dtype)
             except MissingDrafterError:
                 if policy is not None:
                     raise
                 log.warning("%s has no MTP drafter: speculation off", path)
-        vocab = read_draft_vocab(Path(path), draft_vocab_size) if drafter is not None and draft_vocab_size != 0 else None
-        return cls(model, tokenizer, cfg, device, drafter, policy, vocab)
+        size = opts.draft_vocab_size
+        vocab = read_draft_vocab(Path(path), size) if drafter is not None and size != 0 else None
+        return cls(model, tokenizer, cfg, drafter=drafter, policy=policy, draft_vocab=vocab)
 
     def set_policy(self, policy: SpeculationPolicy) -> None:
         """Switch the speculation policy live (takes effect at the next step)."""
@@ -232,8 +200,7 @@ class Engine:
         if seq is None or seq.status is Status.FINISHED:
             return False
         if seq.status is Status.WAITING:
-            self.scheduler.waiting.remove(seq)
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self.scheduler.abort_waiting(seq)
         else:
             self.scheduler.finish(seq, "abort")
             self.speculator.forget(seq.seq_id)
@@ -251,12 +218,7 @@ class Engine:
         t_step = time.perf_counter()
         status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
         policy = self.gate.policy
-        k = policy.num_speculative_tokens if status == "on" else 0
-        for seq in sched.running:
-            room = self.cfg.max_model_len - len(seq.all_ids) - 1  # past max_model_len: no KV room
-            if not self.runner.static:  # static steps draft past max_tokens and cut (one graph per K)
-                room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
-            seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
+        self._plan_drafts(policy.num_speculative_tokens if status == "on" else 0)
         step = sched.schedule()
         if step.empty:
             if sched.has_unfinished():
@@ -267,28 +229,11 @@ class Engine:
             if seq.stats.first_scheduled_time is None:
                 seq.stats.first_scheduled_time = now
         rebuild = self.drafter is not None and policy.mode != "off"
-        method = "greedy" if policy.acceptance == "greedy" else policy.acceptance
         typical = TypicalParams(policy.typical.epsilon, policy.typical.delta)
-        rows, out = self.speculator.execute(step.prefills, step.decodes, method, typical, rebuild)
+        rows, out = self.speculator.execute(step.prefills, step.decodes, policy.acceptance, typical, rebuild)
 
         t0 = time.perf_counter()
-        kept: list[int] = []
-        events: list[str | None] = []
-        drafted = accepted = 0
-        for row, run in zip(rows, out.runs):
-            seq = row.seq
-            n, event = self._cut(seq, run)
-            kept.append(n)
-            events.append(event)
-            # drafts that could be emitted (not those past max_tokens) and those kept after the cut
-            k_room = max(0, min(row.k, seq.params.max_tokens - len(seq.output_ids) - 1))
-            a = min(len(run) - 1, n - 1) if k_room else 0
-            drafted += k_room
-            accepted += a
-            seq.stats.record(k_room, a, n)
-            self.totals.record(k_room, a, n)
-            if not row.prefill:
-                seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
+        kept, events = self._cut_runs(rows, out, status)
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
         outs = [self._emit(row.seq, run[:n], event) for row, run, n, event in zip(rows, out.runs, kept, events)]
         t_commit = time.perf_counter() - t0
@@ -297,21 +242,53 @@ class Engine:
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
             if row.seq.status is Status.FINISHED:
                 self.speculator.forget(row.seq.seq_id)
-        if drafted:
-            self.gate.observe(drafted, accepted)
         if status != "off" and step.decodes and not step.prefills:  # decode-only steps: time per emitted token
             self.gate.observe_time(status, len(rows), time.perf_counter() - t_step, sum(kept))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         if self.cfg.check_invariants:
-            for seq in sched.running:
-                if self.kv.num_computed(seq.seq_id) != len(seq.all_ids) - 1:
-                    raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {len(seq.all_ids) - 1}")
+            self._check_invariants()
         self.steps += 1
         for o in outs:
             queue = self._queues.get(o.request_id)
             if queue is not None:
                 queue.put_nowait(o)
         return outs
+
+    def _plan_drafts(self, k: int) -> None:
+        """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call."""
+        for seq in self.scheduler.running:
+            room = self.cfg.max_model_len - len(seq.all_ids) - 1  # past max_model_len: no KV room
+            if not self.runner.static:  # static steps draft past max_tokens and cut (one graph per K)
+                room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+            seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
+
+    def _cut_runs(self, rows: list, out, status: str) -> tuple[list[int], list[str | None]]:
+        """Each run cut at its triggers (-> tokens kept, the event that cut it), and the step's
+        speculation counted: drafts that could be emitted (not those past max_tokens), kept after the cut."""
+        kept: list[int] = []
+        events: list[str | None] = []
+        drafted = accepted = 0
+        for row, run in zip(rows, out.runs):
+            seq = row.seq
+            n, event = self._cut(seq, run)
+            kept.append(n)
+            events.append(event)
+            k_room = max(0, min(row.k, seq.params.max_tokens - len(seq.output_ids) - 1))
+            a = min(len(run) - 1, n - 1) if k_room else 0
+            drafted += k_room
+            accepted += a
+            seq.stats.record(k_room, a, n)
+            self.totals.record(k_room, a, n)
+            if not row.prefill:
+                seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
+        if drafted:
+            self.gate.observe(drafted, accepted)
+        return kept, events
+
+    def _check_invariants(self) -> None:
+        for seq in self.scheduler.running:
+            if self.kv.num_computed(seq.seq_id) != len(seq.all_ids) - 1:
+                raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {len(seq.all_ids) - 1}")
 
     def _cut(self, seq: Sequence, run: list[int]) -> tuple[int, str | None]:
         """How many run tokens to keep: through the first trigger, the stop string, max_tokens."""
@@ -331,7 +308,7 @@ class Engine:
         p = seq.params
         if seq.stats.first_token_time is None:
             seq.stats.first_token_time = time.monotonic()
-        seq.output_ids.extend(run)
+        seq.emit(run)
         reason = None
         visible = seq.output_ids
         if event is not None:
@@ -358,8 +335,9 @@ class Engine:
         finished = seq.status is Status.FINISHED
         if finished:
             self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.text, seq.finish_reason,
-                             finished, seq.stats.speculation, seq.stats)
+        return RequestOutput(request_id=seq.request_id, prompt_token_ids=list(seq.prompt_ids),
+                             token_ids=list(seq.output_ids), text=seq.text, finish_reason=seq.finish_reason,
+                             finished=finished, speculation=seq.stats.speculation, stats=seq.stats)
 
     # ---- front ends ----------------------------------------------------------------------------
 

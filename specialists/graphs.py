@@ -17,30 +17,27 @@ slots; state updates that advance per call are returned and committed by the cal
 warm-up and the replay that follows capture both run it, so the second condition is what makes the
 first call of a key correct.
 
-When not enabled (CPU, or CANTATA_CUDA_GRAPHS=0) `run` just calls `fn`.
+When not enabled (CPU, or graphs off in the engine's options: specialists/options.py) `run` just calls `fn`.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
-__all__ = ["GraphCache", "graphs_allowed"]
+__all__ = ["GraphCache"]
 
 
-def graphs_allowed(device: torch.device, requested: bool | None = None) -> bool:
-    """CUDA graphs on a CUDA device unless asked off (argument False, or CANTATA_CUDA_GRAPHS=0)."""
-    if device.type != "cuda" or requested is False:
-        return False
-    return os.environ.get("CANTATA_CUDA_GRAPHS", "1") != "0"
+class _Captured(NamedTuple):
+    graph: Any  # torch.cuda.CUDAGraph
+    outputs: Any  # what fn returned at capture: refilled by every replay
 
 
 class GraphCache:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._graphs: dict[Hashable, tuple[Any, Any]] = {}
+        self._graphs: dict[Hashable, _Captured] = {}
         self.captures = 0  # graphs captured so far (for tests and metrics)
         self.replays = 0
 
@@ -57,9 +54,9 @@ class GraphCache:
     def outputs(self, key: Hashable) -> Any:
         """The static outputs of the graph captured under key (None if there is none)."""
         entry = self._graphs.get(key)
-        return None if entry is None else entry[1]
+        return None if entry is None else entry.outputs
 
-    def _capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+    def _capture(self, fn: Callable[[], Any]) -> _Captured:
         fn()  # eager warm-up: lazy initialisations happen outside the capture
         # capture on a side stream (a capture cannot run on the default stream); unlike torch.cuda.graph
         # this does not collect garbage and empty the allocator's cache per graph (tens of ms each)
@@ -74,7 +71,7 @@ class GraphCache:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         self.captures += 1
-        return graph, out
+        return _Captured(graph, out)
 
     def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         if not self.enabled:
@@ -82,6 +79,6 @@ class GraphCache:
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._capture(fn)
-        entry[0].replay()
+        entry.graph.replay()
         self.replays += 1
-        return entry[1]
+        return entry.outputs

@@ -34,6 +34,11 @@ class Status(Enum):
 
 @dataclass
 class Sequence:
+    """A request's state. Who changes what: the scheduler moves it between queues (admit, preempt,
+    finish: status, ssm_slot, finish_reason) and may drop its drafts; the engine sets its drafts for
+    the step (spec_k), appends its emitted tokens and text, and marks the drafter's coverage; the
+    speculator only reads it."""
+
     seq_id: int
     request_id: str
     prompt_ids: list[int]
@@ -52,6 +57,24 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    # ---- transitions (scheduler) ---------------------------------------------------------------
+
+    def admit(self, ssm_slot: int) -> None:
+        self.status, self.ssm_slot = Status.RUNNING, ssm_slot
+
+    def preempt(self) -> None:
+        """Back to waiting, to be prefilled again over prompt + output: its blocks and slot are gone."""
+        self.status, self.ssm_slot, self.draft_ok = Status.WAITING, -1, False
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason, self.ssm_slot = Status.FINISHED, reason, -1
+
+    # ---- per step (engine) ---------------------------------------------------------------------
+
+    def emit(self, tokens: list[int]) -> None:
+        """Tokens kept this step (after the cut at triggers), now committed."""
+        self.output_ids.extend(tokens)
 
 
 @dataclass
@@ -101,9 +124,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.prefix_hit_tokens += cached
-            if self.ssm is not None:
-                seq.ssm_slot = self.ssm.allocate()
-            seq.status = Status.RUNNING
+            seq.admit(self.ssm.allocate() if self.ssm is not None else -1)
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached
@@ -133,22 +154,24 @@ class Scheduler:
         return scheduled
 
     def preempt(self, seq: Sequence) -> None:
-        seq.draft_ok = False
         log.info("preempting %s (%d tokens) to free KV blocks", seq.request_id, len(seq.all_ids))
-        self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        if self.ssm is not None and seq.ssm_slot >= 0:
-            self.ssm.free(seq.ssm_slot)
-            seq.ssm_slot = -1
-        seq.status = Status.WAITING
+        self._release(seq)
+        seq.preempt()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
+        """A running sequence is done: its blocks and slot are freed."""
+        self._release(seq)
+        seq.finish(reason)
+
+    def abort_waiting(self, seq: Sequence) -> None:
+        """A waiting sequence is dropped (it holds no blocks or slot)."""
+        self.waiting.remove(seq)
+        seq.finish("abort")
+
+    def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         if self.ssm is not None and seq.ssm_slot >= 0:
             self.ssm.free(seq.ssm_slot)
-            seq.ssm_slot = -1

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spec.acceptance import AcceptanceInputError, TypicalParams, accept
+from spec.acceptance import AcceptanceInputError, TypicalParams, accept, greedy_accept, pack, unpack
 from specialists.sampling import SamplingParams, filtered_probs
 
 GREEDY = SamplingParams()
@@ -57,6 +57,38 @@ def test_greedy_table(case: str) -> None:
     assert out.num_accepted.tolist() == [want_n]
     assert out.tokens.tolist() == [want_tokens]
     assert out.num_accepted.dtype == torch.int64 and out.tokens.dtype == torch.int64
+
+
+@pytest.mark.parametrize("case", list(GREEDY_CASES))
+def test_greedy_accept_and_the_packed_copy(case: str) -> None:
+    """The cheap greedy rule (argmax ids only, what the engine's greedy steps and the static graphs
+    use) keeps what `accept` keeps, and the packed host copy reads back as each row's run and drafts."""
+    rows, drafts, n, want_n, want_tokens = GREEDY_CASES[case]
+    argmax, d = torch.tensor([rows]), torch.tensor([drafts])
+    got = greedy_accept(argmax, d, torch.tensor([n]))
+    assert got.num_accepted.tolist() == [want_n]
+    packed = pack(got, d)
+    assert packed.shape == (1, 1 + 4 + 3) and packed.dtype == torch.int64
+    runs, verified = unpack(packed.tolist(), [n], 3)
+    assert runs == [want_tokens[: want_n + 1]] and verified == [drafts[:n]]
+
+
+def test_one_layout_for_greedy_sampled_and_undrafted_rows() -> None:
+    """Greedy and sampled rows of one batch unpack the same way; a step without drafts packs
+    [count 0, token] per row."""
+    logits = peaked_logits([[4, 5, 6, 7], [1, 2, 3, 4]])
+    drafts = torch.tensor([[4, 5, 9], [1, 2, 3]])
+    sampled = SamplingParams(temperature=0.7, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    out = accept(logits, drafts, torch.tensor([3, 2]), [GREEDY, sampled], ["greedy", "rejection"], [None, gen])
+    runs, verified = unpack(pack(out, drafts).tolist(), [3, 2], 3)
+    for b in range(2):
+        a = int(out.num_accepted[b])
+        assert runs[b] == out.tokens[b, : a + 1].tolist()
+    assert runs[0] == [4, 5, 6] and verified == [[4, 5, 9], [1, 2]]
+    plain = greedy_accept(torch.tensor([[8], [3]]), None)
+    assert pack(plain, None).tolist() == [[0, 8], [0, 3]]
+    assert unpack(pack(plain, None).tolist(), [0, 0], 0) == ([[8], [3]], [[], []])
 
 
 def test_greedy_table_batched_and_method_independent() -> None:

@@ -45,14 +45,15 @@ def _capture(engine: Engine, prompt: list[int], max_tokens: int = 30) -> list[tu
         return drafts, counts
 
     engine.speculator._draft = spy
-    run = engine.runner.run
+    propose = engine.speculator.propose
 
-    def spy_static(rows, fill=None, fill_rows=None, rebuild=None):  # a static batch (one sequence here): the
-        if fill_rows is not None:  # drafts it verifies, from the step's own chain or drafted ahead
-            seen.append((list(engine.scheduler.running[0].all_ids), fill_rows[0].tolist(), fill_rows.shape[1]))
-        return run(rows, fill, fill_rows, rebuild)
+    def spy_static(plan):  # a static batch (one sequence here): the drafts it verifies, from the step's
+        proposal = propose(plan)  # own chain or drafted ahead
+        if plan.static is not None and proposal.drafts is not None:
+            seen.append((list(plan.rows[0].seq.all_ids), proposal.drafts[0].tolist(), proposal.drafts.shape[1]))
+        return proposal
 
-    engine.runner.run = spy_static
+    engine.speculator.propose = spy_static
     engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return seen
 
@@ -70,7 +71,7 @@ def test_paged_drafts_equal_the_dense_reference(static) -> None:
             pytest.skip("the fused kernels on CPU tensors need TRITON_INTERPRET=1 (set by tests/conftest.py)")
     engine = _engine(draft_vocab_size=0, draft_min_confidence=0.0, pad_batches=bool(static),
                      static_batches=bool(static), fused_drafter=fused)
-    assert (engine.drafter._fused is not None) == fused
+    assert (engine.drafter.fused is not None) == fused
     seen = _capture(engine, _prompt(engine))
     assert (engine.runner.static_steps > 0) == bool(static)
     assert (engine.speculator.ahead_used > 0) == bool(static)  # static steps: most drafts were drafted ahead

@@ -136,23 +136,17 @@ class _Oracle:
         return torch.tensor(out, dtype=torch.int64, device=self.engine.device), [kmax] * len(out)
 
     def install(self) -> None:
-        """Drafts through the oracle on both paths: the speculator's `_draft` (mixed batches), and
-        the drafter's `chain_static` (static batches: CUDA graphs, or CANTATA_STATIC_BATCHES=1),
-        whose rows are the decodes `_execute_static` got, then padding."""
+        """Drafts through the oracle on both paths: the speculator's `_draft` (eager steps), and its
+        `_draft_static` (static batches: CUDA graphs, or CANTATA_STATIC_BATCHES=1), whose rows are the
+        plan's decodes, then padding."""
         spec = self.engine.speculator
         spec._draft = self
-        static = spec._execute_static
 
-        def execute_static(decodes, *args):
-            self.decodes = decodes
-            return static(decodes, *args)
+        def draft_static(plan):
+            drafts = self([r.seq for r in plan.rows], plan.k)[0]
+            return torch.cat([drafts, drafts.new_zeros(plan.static.rows - drafts.shape[0], plan.k)])
 
-        def chain_static(source, rows, committed, tables, k, num_rows, width):
-            drafts = self(self.decodes, k)[0]
-            return torch.cat([drafts, drafts.new_zeros(num_rows - drafts.shape[0], k)])
-
-        spec._execute_static = execute_static
-        self.engine.drafter.chain_static = chain_static
+        spec._draft_static = draft_static
 
 
 def _fresh_ssm(engine: Engine, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

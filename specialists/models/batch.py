@@ -17,9 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["ForwardBatch", "SeqStep"]
+__all__ = ["ForwardBatch", "SeqStep", "slot_mapping"]
+
+
+def slot_mapping(block_table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat KV slots (block * block_size + offset) of `positions` [n] in a sequence's block table."""
+    return np.asarray(block_table)[positions // block_size] * block_size + positions % block_size
 
 
 @dataclass
@@ -93,7 +99,7 @@ class ForwardBatch:
             t0 = qsl[-1]
             ids.extend(s.token_ids)
             pos.extend(range(s.start, end))
-            slots.extend(s.block_table[p // block_size] * block_size + p % block_size for p in range(s.start, end))
+            slots.extend(slot_mapping(s.block_table, np.arange(s.start, end), block_size).tolist())
             tseq.extend([b] * q)
             tq.extend(range(q))
             qsl.append(t0 + q)

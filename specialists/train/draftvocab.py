@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
-MTP_VOCAB = "mtp_vocab.safetensors"
+from specialists.models.draftvocab import MTP_VOCAB, read_draft_vocab  # noqa: F401  (read side: serving code)
+
 log = logging.getLogger(__name__)
 
 
@@ -32,15 +33,6 @@ def token_counts(packed: Path, domain: str, vocab_size: int) -> np.ndarray:  # -
         for i in range(0, len(arr), 1 << 22):
             counts += np.bincount(np.asarray(arr[i:i + (1 << 22)]), minlength=vocab_size)[:vocab_size]
     return counts
-
-
-def read_draft_vocab(directory: Path, size: int | None = None) -> torch.Tensor | None:
-    """The first `size` token ids (all when None) of a checkpoint's draft vocabulary, or None when
-    it has none."""
-    path = Path(directory) / MTP_VOCAB
-    if not path.is_file():
-        return None
-    return load_file(str(path))["token_ids"][:size]
 
 
 def write_draft_vocab(counts: np.ndarray, size: int, out: Path) -> dict:

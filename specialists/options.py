@@ -1,0 +1,107 @@
+"""The engine's options, asked for once and resolved once.
+
+  opts = EngineOptions(device="cuda", max_num_seqs=8)          # what a caller asks for (None: default)
+  cfg = opts.resolve(model_max_len=4096)                       # what the engine runs with: no None left
+  engine = Engine.from_pretrained(path, opts)                  # or Engine.from_pretrained(path, device="cuda", ...)
+
+`resolve` picks the per-device defaults and reads the environment variables, here and nowhere else:
+CANTATA_CUDA_GRAPHS=0 turns CUDA graphs off, CANTATA_STATIC_BATCHES=1 runs static batches eagerly where
+there are no graphs (the CPU tests of the graph path). The runner, the drafter and the scheduler get the
+resolved `EngineConfig` (or the few fields they need), never the raw options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class OptionsError(ValueError):
+    """Options that cannot be served (an unknown name, or a combination that contradicts itself)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 16
+    max_model_len: int | None = None  # None: 2048; always capped by the model's max_position_embeddings
+    block_size: int = 16
+    num_blocks: int | None = None  # None: room for max_num_seqs full-length sequences
+    enable_prefix_cache: bool = True  # (off for hybrids: SSM state is not snapshotted per block)
+    max_num_batched_tokens: int = 4096
+    check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
+    load_mtp: bool = True  # load the checkpoint's MTP drafter (when the policy may speculate)
+    draft_vocab_size: int | None = None  # draft over the first N tokens of mtp_vocab (None: all of it; 0: whole vocab)
+    draft_min_confidence: float | None = None  # stop a chain below this drafter probability (None: off)
+    pad_batches: bool | None = None  # pad decode / verify batches to buckets (None: on CUDA or static batches)
+    cuda_graphs: bool | None = None  # static steps as CUDA graphs (None: on CUDA unless CANTATA_CUDA_GRAPHS=0)
+    static_batches: bool | None = None  # static batches without graphs (None: CANTATA_STATIC_BATCHES=1)
+    fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
+
+    @classmethod
+    def from_keywords(cls, base: EngineOptions | None = None, **kw) -> EngineOptions:
+        """`base` (default options if None) with the named fields replaced; unknown names raise."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - known)
+        if unknown:
+            raise OptionsError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        base = base or cls()
+        return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **kw})
+
+    def resolve(self, model_max_len: int | None = None) -> EngineConfig:
+        dev = torch.device(self.device)
+        graphs = dev.type == "cuda" and self.cuda_graphs is not False and os.environ.get("CANTATA_CUDA_GRAPHS", "1") != "0"
+        static = graphs or bool(self.static_batches if self.static_batches is not None
+                                else os.environ.get("CANTATA_STATIC_BATCHES") == "1")
+        pad = (dev.type == "cuda" or static) if self.pad_batches is None else self.pad_batches
+        static = static and pad  # static batches are padded ones: pad_batches=False turns them (and graphs) off
+        limit = self.max_model_len or DEFAULT_MAX_MODEL_LEN
+        if model_max_len is not None:
+            limit = min(limit, model_max_len)
+        num_blocks = self.num_blocks or self.max_num_seqs * -(-limit // self.block_size)
+        return EngineConfig(
+            device=dev, dtype=self.dtype, max_num_seqs=self.max_num_seqs, max_model_len=limit,
+            block_size=self.block_size, num_blocks=num_blocks, enable_prefix_cache=self.enable_prefix_cache,
+            max_num_batched_tokens=self.max_num_batched_tokens, check_invariants=self.check_invariants,
+            draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
+            cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved options: concrete values only (see EngineOptions for their meaning)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_cache: bool
+    max_num_batched_tokens: int
+    check_invariants: bool
+    draft_min_confidence: float  # 0.0: off
+    pad_batches: bool
+    static_batches: bool  # decode / verify steps of one shape run static (graphs when cuda_graphs)
+    cuda_graphs: bool
+    fused_drafter: bool
+
+
+def _fused_default(device: torch.device, fused: bool | None) -> bool:
+    """True asks for the fused kernels (CPU tensors need TRITON_INTERPRET=1); None: on CUDA where
+    Triton imports."""
+    if fused is not None:
+        return fused
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

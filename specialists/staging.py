@@ -1,0 +1,60 @@
+"""The runner's static input buffers (specialists/runner.py): every index tensor of a batch is a view
+into one int64 buffer allocated once and grown only when a step needs more room; the host fills a
+staging copy and the device gets it in one copy (on CPU the staging buffer is the device buffer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StaticInputs:
+    """The int64 buffers a ForwardBatch is viewed from: named segments of fixed capacity (tokens,
+    sequences, blocks per sequence) in one host staging tensor (pinned on CUDA) and one device tensor."""
+
+    TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qidx", "logits_indices")
+    SEQ_FIELDS = ("context_lens", "ssm_slots")
+
+    def __init__(self, device: torch.device, max_tokens: int = 256, max_seqs: int = 16, max_blocks: int = 64) -> None:
+        self.device = device
+        self.generation = -1  # bumped at every (re)allocation: graphs over the old buffers are stale
+        self._allocate(max_tokens, max_seqs, max_blocks)
+
+    def _allocate(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        self.generation += 1
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        sizes = {**{f: max_tokens for f in self.TOKEN_FIELDS}, **{f: max_seqs for f in self.SEQ_FIELDS},
+                 "query_start_loc": max_seqs + 1, "block_tables": max_seqs * max_blocks}
+        self.offsets, o = {}, 0
+        for name, n in sizes.items():
+            self.offsets[name] = o
+            o += n
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(o, dtype=torch.int64, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.dev = self.host if self.device.type == "cpu" else torch.zeros(o, dtype=torch.int64, device=self.device)
+
+    def ensure(self, tokens: int, seqs: int, blocks: int) -> None:
+        if tokens > self.max_tokens or seqs > self.max_seqs or blocks > self.max_blocks:
+            self._allocate(max(tokens, 2 * self.max_tokens), max(seqs, 2 * self.max_seqs), max(blocks, 2 * self.max_blocks))
+
+    def staging(self, name: str, n: int) -> np.ndarray:
+        """The first n entries of a segment in the host staging buffer (what build writes)."""
+        o = self.offsets[name]
+        return self.np[o:o + n]
+
+    def device_view(self, name: str, n: int) -> torch.Tensor:
+        """The first n entries of a segment on the device (what the model reads)."""
+        o = self.offsets[name]
+        return self.dev[o:o + n]
+
+    def tables(self, rows: int, width: int, device: bool = False):
+        """The block tables [rows, width] (a segment laid out `width` wide)."""
+        if device:
+            return self.device_view("block_tables", rows * width).view(rows, width)
+        return self.staging("block_tables", rows * width).reshape(rows, width)
+
+    def upload(self) -> None:
+        """One host -> device copy of everything a step needs (on CPU the staging buffer is the device's)."""
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
