@@ -30,6 +30,7 @@ from specialists.drafter_fused import ENTRY_ROWS, DrafterWeights, FusedDrafter, 
 from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
+from specialists.models.rope import apply_signed_rope
 from specialists.ops.attention import grouped_attention, paged_attention, workspace, write_kv
 from specialists.ops.linear import proposal_linear
 
@@ -119,7 +120,7 @@ class PagedDrafter:
         qk = qkv[:, : nq + nk].view(t, cfg.num_attention_heads + cfg.num_key_value_heads, cfg.head_dim)
         self._grow(max_pos)
         cs = self.rope.table[pos]  # [T, 2, 1, hd]
-        qk = qk * cs[:, 0] + qk.roll(cfg.head_dim // 2, -1) * cs[:, 1]  # q and k heads rotated at once
+        qk = apply_signed_rope(qk, cs)  # q and k heads rotated at once
         q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
         return q, k, qkv[:, nq + nk :].view(t, cfg.num_key_value_heads, cfg.head_dim)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
+from specialists.models.rope import rope_inv_freq, signed_rope_table
 
 ENTRY_ROWS = 1024  # the most tokens a static batch has (64 rows x 16 tokens)
 
@@ -62,7 +63,7 @@ class RopeTable:
     x*cos + roll(x, hd/2)*[-sin, sin] equals x*cos + cat(-x2, x1)*sin exactly (a sign flip is exact)."""
 
     def __init__(self, head_dim: int, theta: float, *, dtype: torch.dtype, device: torch.device, positions: int) -> None:
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        self.inv_freq = rope_inv_freq(theta, head_dim, device)
         self.dtype = dtype
         self.table = torch.empty(0, 2, 1, head_dim, device=device)
         self.grow(positions, frozen=False)
@@ -73,12 +74,7 @@ class RopeTable:
             return
         if frozen:
             raise RuntimeError(f"RoPE position {max_pos} past the {self.table.shape[0]} reserved (max_positions)")
-        n = max(2 * max_pos, 1024)
-        angles = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
-        emb = torch.cat([angles, angles], dim=-1)
-        sin = emb.sin()
-        sin[:, : emb.shape[-1] // 2].neg_()
-        self.table = torch.stack([emb.cos(), sin], dim=1)[:, :, None].to(self.dtype)  # [n, 2, 1, hd]
+        self.table = signed_rope_table(self.inv_freq, max(2 * max_pos, 1024), self.dtype)  # [n, 2, 1, hd]
 
 
 class FusedDrafter:

@@ -39,10 +39,10 @@ import torch
 
 from spec.acceptance import greedy_accept, pack
 from specialists.graphs import GraphCache
-from specialists.models.batch import ForwardBatch, slot_mapping
+from specialists.models.batch import ForwardBatch
 from specialists.options import EngineConfig
 from specialists.staging import StaticInputs
-from state.kv_cache import KVCache
+from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -233,7 +233,7 @@ class Runner:
             ids[t + n:t + q] = 0  # the drafts' places: `run` puts them in on the device
             p = np.arange(start, end)
             pos[t:t + q] = p
-            slots[t:t + q] = slot_mapping(table, p, bs)
+            slots[t:t + q] = flat_slots(table, start, end, bs)
             tseq[t:t + q] = b
             tq[t:t + q] = np.arange(q)
             tab[b, :len(table)] = table
@@ -277,7 +277,7 @@ class Runner:
         for b in range(b0, Bp):
             ids[t:t + q] = 0
             pos[t:t + q] = np.arange(q)
-            slots[t:t + q] = slot_mapping([kv.scratch_block], np.arange(q), bs)
+            slots[t:t + q] = flat_slots([kv.scratch_block], 0, q, bs)
             tseq[t:t + q] = b
             tq[t:t + q] = np.arange(q)
             tab[b, 0] = kv.scratch_block

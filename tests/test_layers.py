@@ -27,18 +27,8 @@ RAY_ALLOWED = {"router/app.py", "specialists/deployment.py"}
 TRAINING = "specialists/train/"
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
-# Pending: issue 15 items 1-3 are being redone by h4a in branch refactor15, which fixes these; the lead
-# removes each exemption when merging (the test fails on an exemption that no longer occurs).
-PENDING_IMPORTS = {
-    ("spec/acceptance.py", "specialists.sampling"),  # spec reads specialists: sampling moves down
-    ("specialists/engine.py", "specialists.train.draftvocab"),  # serving reads training
-}
-PENDING_SIZES = {  # (path, function or None for the file): over the limits today, in h4a's files
-    ("spec/speculator.py", "execute"),
-    ("specialists/engine.py", "step"),
-    ("specialists/runner.py", "build"),
-    ("specialists/drafter.py", "__init__"),
-}
+PENDING_IMPORTS: set[tuple[str, str]] = set()  # (path, module): known breaks, each to be fixed (none today)
+PENDING_SIZES: set[tuple[str, str | None]] = set()  # (path, function or None for the file): over the limits
 
 
 def _module_name(path: str) -> str:

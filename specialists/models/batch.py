@@ -20,12 +20,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["ForwardBatch", "SeqStep", "slot_mapping"]
+from state.kv_cache import flat_slots
 
-
-def slot_mapping(block_table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Flat KV slots (block * block_size + offset) of `positions` [n] in a sequence's block table."""
-    return np.asarray(block_table)[positions // block_size] * block_size + positions % block_size
+__all__ = ["ForwardBatch", "SeqStep"]
 
 
 @dataclass
@@ -99,7 +96,7 @@ class ForwardBatch:
             t0 = qsl[-1]
             ids.extend(s.token_ids)
             pos.extend(range(s.start, end))
-            slots.extend(slot_mapping(s.block_table, np.arange(s.start, end), block_size).tolist())
+            slots.extend(flat_slots(s.block_table, s.start, end, block_size).tolist())
             tseq.extend([b] * q)
             tq.extend(range(q))
             qsl.append(t0 + q)
