@@ -2,7 +2,16 @@
 
   python -m bench.decode --model DIR --prompts FILE.jsonl [--batch-size B] [--max-new-tokens N]
                          [--device cpu|cuda] [--limit N] [--dtype float32|bfloat16] [--results FILE]
-                         [--spec-k K [--acceptance greedy|rejection|typical]] [--skip-hf]
+                         [--spec-k K [--acceptance greedy|rejection|typical]] [--skip-hf] [--bound]
+  python -m bench.decode --shape llama-1b|llama-3b|bamba-1b|smollm2-135m [--shape-dir DIR] [--profile FILE] ...
+
+--shape NAME builds random weights of a named shape on the device (bench/shapes.py; no download, the
+default specialists' tokenizer, prompts from bench/data/shell unless --prompts) and adds the figures
+against the memory-bandwidth bound (bench/decode_shape.py: params, weight_bytes, bandwidth_tb_s,
+bound_ms, ms_per_token, ratio_to_bound; with --spec-k also verify_over_decode, draft_over_target).
+The bound is weight_bytes / the bandwidth measured in the same run; weight_bytes counts every parameter
+once at its stored width, the input embedding only when it is tied to the lm_head (a decode step reads
+one row of an untied embedding, all of the lm_head).
 
 Rows are {"prompt": raw text (completion style)}; each prompt is tokenized without special tokens and
 cut to its last 256 tokens. Both sides decode greedily with EOS ignored, so every prompt yields
@@ -35,6 +44,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
+from bench.decode_shape import add_arguments, bound_figures, prepare_shape, shape_names
 
 log = logging.getLogger("bench.decode")
 
@@ -95,8 +105,10 @@ class UsageError(ValueError):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--prompts", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="a checkpoint directory")
+    source.add_argument("--shape", choices=shape_names(), help="random weights of this shape, built on the device")
+    parser.add_argument("--prompts", type=Path, default=None, help="JSONL of {prompt} (required with --model)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
@@ -110,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-min-confidence", type=float, default=None,
                         help="stop a draft chain below this drafter probability (default: the engine's, off)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
+    add_arguments(parser)
     return parser
 
 
@@ -138,6 +151,8 @@ class Sides:
 def _check_model(args: argparse.Namespace) -> None:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--batch-size and --max-new-tokens must be >= 1")
+    if args.prompts is None:
+        raise UsageError("--model needs --prompts")
     for name in ("model.safetensors", "config.json"):
         if not (args.model / name).is_file():
             raise UsageError(f"{args.model} has no {name}")
@@ -164,9 +179,11 @@ def _load(args: argparse.Namespace) -> Sides:
                                                  draft_min_confidence=args.draft_min_confidence)
         except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
             raise UsageError(str(exc)) from exc
-    hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
-    hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
-    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    hf, pad_id = None, 0
+    if not args.skip_hf:
+        hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
+        hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
+        pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     return Sides(engine, spec_engine, hf, pad_id, args.device, args.max_new_tokens)
 
 
@@ -250,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
+        ident = prepare_shape(args, DTYPES[args.dtype]) if args.shape else None
         _check_model(args)
-        ident = checkpoint_id(args.model)
+        ident = ident or checkpoint_id(args.model)
         print(f"loaded checkpoint: {json.dumps(ident)}", flush=True)
         sides = _load(args)
         prompts = _prompts(args, sides.engine.tokenizer)
@@ -260,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     batches = _batches(prompts, args.batch_size)
     _warm_up(sides, batches, args.skip_hf)
+    steps_before = sides.engine.steps
     result, t_engine, t_hf, prefix_hits = _measure(sides, batches, args, len(prompts))
+    if args.shape or args.bound or args.profile is not None:
+        result.update(bound_figures(sides, batches, args, t_engine, sides.engine.steps - steps_before))
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n,
