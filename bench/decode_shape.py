@@ -129,7 +129,7 @@ def bound_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine:
     ms_per_token = 1e3 * t_engine / steps if steps else None
     result = {"shape": args.shape, "params": parameter_count(config), "weight_bytes": wbytes,
               "bandwidth_tb_s": _sig(bandwidth),
-              "bandwidth": {k: _sig(v) for k, v in bw.items()}, "bound_ms": _sig(bound_ms),
+              "bandwidth": {k: v if k == "buffer_mib" else _sig(v) for k, v in bw.items()}, "bound_ms": _sig(bound_ms),
               "ms_per_token": None if ms_per_token is None else round(ms_per_token, 4), "engine_steps": steps,
               "ratio_to_bound": _ratio(ms_per_token, bound_ms)}
     result.update(_step_figures(sides, batches, args))
