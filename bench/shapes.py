@@ -166,5 +166,7 @@ def build_checkpoint(name: str, out_dir: Path, dtype: torch.dtype = torch.bfloat
     if drafter_k is not None:
         _save_drafter(config, out, dtype, device, drafter_k)
     del model, tensors
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the engine loads its own copy next
     (out / SHAPE_MARKER).write_text(json.dumps(marker) + "\n")
     return out
