@@ -189,9 +189,17 @@ def _processes() -> dict[int, tuple[int, bytes]]:
 def replica_pid(server: Server, deployment: str) -> int:
     """The PID of `ray::ServeReplica:cantata:<deployment>` in this server's cluster (a worker of the
     raylet that its `serve run` started; other clusters on the machine are left alone)."""
-    procs = _processes()
-    raylets = {pid for pid, (ppid, argv0) in procs.items() if ppid == server.pid and argv0.endswith(b"/raylet")}
     want = f"ray::ServeReplica:cantata:{deployment}".encode()
-    pids = [pid for pid, (ppid, argv0) in procs.items() if ppid in raylets and argv0 == want]
-    assert len(pids) == 1, f"{want!r} under raylet {raylets}: {pids}"
+    deadline = time.monotonic() + 20  # a replica that is being (re)started has no such process yet
+    while True:
+        procs = _processes()
+        raylets = {pid for pid, (ppid, argv0) in procs.items() if ppid == server.pid and argv0.endswith(b"/raylet")}
+        # Ray retitles a worker while it runs a task ("...:router.handle_request"): match the prefix
+        pids = [pid for pid, (ppid, argv0) in procs.items()
+                if ppid in raylets and (argv0 == want or argv0.startswith(want + b"."))]
+        if len(pids) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    titles = sorted({argv0 for pid, (ppid, argv0) in procs.items() if ppid in raylets})
+    assert len(pids) == 1, f"{want!r} under raylet {raylets}: {pids}; its workers: {titles}"
     return pids[0]
