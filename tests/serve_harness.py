@@ -54,6 +54,22 @@ def stop(proc: subprocess.Popen, env: dict[str, str]) -> None:
     subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+def wait_healthy(proc: subprocess.Popen, log: Path, base: str, start: float) -> None:
+    """Returns once GET {base}/health is 200; fails the test with the log's tail if `serve run` exits
+    or STARTUP_LIMIT_S passes (counted from `start`, a time.monotonic())."""
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"serve run exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() - start > STARTUP_LIMIT_S:
+            pytest.fail(f"/health not 200 within {STARTUP_LIMIT_S} s:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1.0)
+
+
 @contextmanager
 def running_server(work: Path, admin_token: str) -> Iterator[Server]:
     """`serve run deploy/ensemble.yaml` until /health is 200; stopped (and `ray stop --force`) on exit."""
@@ -68,17 +84,7 @@ def running_server(work: Path, admin_token: str) -> Iterator[Server]:
     proc = subprocess.Popen([str(BIN / "serve"), "run", "deploy/ensemble.yaml"], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"serve run exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
-            if time.monotonic() - start > STARTUP_LIMIT_S:
-                pytest.fail(f"/health not 200 within {STARTUP_LIMIT_S} s:\n{(work / 'serve.log').read_text()[-4000:]}")
-            try:
-                if requests.get(f"{BASE}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
+        wait_healthy(proc, work / "serve.log", BASE, start)
         yield Server(env, trace_file, time.monotonic() - start, work, proc.pid)
     finally:
         stop(proc, env)

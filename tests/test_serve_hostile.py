@@ -27,7 +27,7 @@ import pytest
 import requests
 import yaml
 
-from serve_harness import BIN, README_ENV, REPO, STARTUP_LIMIT_S, port_busy
+from serve_harness import BIN, README_ENV, REPO, port_busy, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +77,7 @@ def served() -> Iterator[Path]:
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     start = time.monotonic()
     try:
-        while True:
-            if proc.poll() is not None or time.monotonic() - start > STARTUP_LIMIT_S:
-                pytest.fail(f"serve run did not come up:\n{(work / 'serve.log').read_text()[-4000:]}")
-            try:
-                if requests.get(f"{BASE}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
+        wait_healthy(proc, work / "serve.log", BASE, start)
         yield work / "t.jsonl"
     finally:
         if proc.poll() is None:
