@@ -43,7 +43,8 @@ def port_busy(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def stop(proc: subprocess.Popen, env: dict[str, str]) -> None:
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if `proc` is still there after 60 s."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -51,6 +52,23 @@ def stop(proc: subprocess.Popen, env: dict[str, str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def slowest_get_while(worker: threading.Thread, url: str, timeout: float) -> float:
+    """Seconds of the slowest GET `url` (each must answer 200) sent back to back while `worker` runs;
+    joins it."""
+    worst = 0.0
+    while worker.is_alive():
+        t0 = time.monotonic()
+        assert requests.get(url, timeout=timeout).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.02)
+    worker.join()
+    return worst
+
+
+def stop(proc: subprocess.Popen, env: dict[str, str]) -> None:
+    terminate(proc)
     subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 

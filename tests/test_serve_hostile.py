@@ -27,7 +27,7 @@ import pytest
 import requests
 import yaml
 
-from serve_harness import BIN, README_ENV, REPO, port_busy, wait_healthy
+from serve_harness import BIN, README_ENV, REPO, port_busy, slowest_get_while, terminate, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -80,12 +80,7 @@ def served() -> Iterator[Path]:
         wait_healthy(proc, work / "serve.log", BASE, start)
         yield work / "t.jsonl"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(proc)
         for pid in _leftovers(str(work)):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -151,13 +146,7 @@ def test_catastrophic_pattern_gives_up_and_other_routes_answer(served):
     worker = threading.Thread(target=lambda: result.update(r=requests.post(URL, json=forced(params, max_tokens=60),
                                                                           timeout=60)))
     worker.start()
-    worst = 0.0
-    while worker.is_alive():
-        t0 = time.monotonic()
-        assert requests.get(f"{BASE}/v1/models", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - t0)
-        time.sleep(0.02)
-    worker.join()
+    worst = slowest_get_while(worker, f"{BASE}/v1/models", timeout=30)
     message = result["r"].json()["choices"][0]["message"]
     assert any("gave up" in e["error"] for e in message.get("tool_call_errors") or []), message
     assert worst < 1.0, worst
