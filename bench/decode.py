@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="draft over the first N tokens of the drafter's vocabulary file (0: all tokens)")
     parser.add_argument("--draft-min-confidence", type=float, default=None,
                         help="stop a draft chain below this drafter probability (default: the engine's, off)")
+    parser.add_argument("--decode-steps", type=int, default=None,
+                        help="greedy decodes per static step of the plain engine (default: 4 with CUDA graphs, else 1)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     add_arguments(parser)
     return parser
@@ -166,7 +168,7 @@ def _load(args: argparse.Namespace) -> Sides:
 
     dtype = DTYPES[args.dtype]
     engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
-                                    policy=SpeculationPolicy(mode="off"))
+                                    policy=SpeculationPolicy(mode="off"), decode_steps=args.decode_steps)
     spec_engine = None
     if args.spec_k is not None:
         if args.spec_k < 1:
@@ -237,6 +239,8 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     """The result line's figures; also the engine's and transformers' seconds and the prefix hits."""
     hits_before = sides.engine.stats.get("prefix_hit_tokens", 0)
     ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k)
+    lens = iter(len(o) for o in ours)  # the longest output of each batch: the decode steps one sequence waited
+    args.token_steps = sum(max(next(lens) for _ in batch) for batch in batches)
     prefix_hits = sides.engine.stats.get("prefix_hit_tokens", 0) - hits_before
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
@@ -278,10 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     batches = _batches(prompts, args.batch_size)
     _warm_up(sides, batches, args.skip_hf)
-    steps_before = sides.engine.steps
     result, t_engine, t_hf, prefix_hits = _measure(sides, batches, args, len(prompts))
     if args.shape or args.bound or args.profile is not None:
-        result.update(bound_figures(sides, batches, args, t_engine, sides.engine.steps - steps_before))
+        result.update(bound_figures(sides, batches, args, t_engine, args.token_steps))
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n,

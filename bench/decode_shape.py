@@ -8,10 +8,14 @@ Added to the result line:
   bandwidth_tb_s           the device's measured bandwidth in this run, TB/s: the larger of a D2D copy
                            (bytes read + written) and a read-reduce (bytes read), each a median of 10
   bound_ms                 weight_bytes / bandwidth: the fastest a batch-1 decode step can be
-  ms_per_token             1000 * the engine's timed seconds / its steps (one token per sequence a step,
-                           prefill steps included: 127 decode steps and 1 prefill for 128 new tokens)
+  ms_per_token             1000 * the engine's timed seconds / the tokens one sequence waited for (each
+                           batch's longest output, summed; the prefill's time included)
   ratio_to_bound           ms_per_token / bound_ms
-  decode_step_ms           median of a decode-only step of the plain engine, device synchronized
+  engine_steps             those tokens (named for the one-token steps they were before multi-step decodes)
+  decode_steps             the plain engine's greedy decodes per step (specialists/multistep.py; 4 on CUDA)
+  ms_per_token_one_step    with decode_steps > 1: the plain engine again at one token per step, same batches
+  multistep_speedup        that time / the multi-step time
+  decode_step_ms           median of a one-token decode-only step of the plain engine, device synchronized
 With --spec-k K (a separate pass, the device synchronized around every step and every part timed):
   verify_over_decode       median target forward over K+1 tokens per row (the verify, with the drafter's
                            rebuild where the engine runs it in the same graph) / median 1-token forward
@@ -89,7 +93,12 @@ def _step_figures(sides: Any, batches: list, args: argparse.Namespace) -> dict:
         chains.update(p.chain_calls)
         return p.records
 
-    plain = decode_records(probe(sides.engine, sides.run_engine), 1)
+    runner, multi = sides.engine.runner, sides.engine.runner.decode_steps
+    runner.decode_steps = 1  # a decode step here is one token: the cost a verify of K+1 is compared with
+    try:
+        plain = decode_records(probe(sides.engine, sides.run_engine), 1)
+    finally:
+        runner.decode_steps = multi
     step = median_or_none([r.seconds for r in plain])
     fwd = median_or_none([r.forward_s for r in plain])
     out: dict = {"decode_step_ms": _ms(step)}
@@ -119,8 +128,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
 
+def _one_step_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine: float, tokens: int) -> dict:
+    """With multi-step decodes (specialists/multistep.py) on: the plain engine timed again at one
+    token per step, right after the main run (the same batches): the multi-step gain as a ratio."""
+    runner = sides.engine.runner
+    steps = runner.decode_steps
+    out: dict = {"decode_steps": steps}
+    if steps > 1 and tokens:
+        from bench.decode import timed  # bench.decode imports this module
+
+        runner.decode_steps = 1
+        try:
+            _, t_one = timed(sides.run_engine, batches, args.device, "", quiet=True)
+        finally:
+            runner.decode_steps = steps
+        out.update(ms_per_token_one_step=round(1e3 * t_one / tokens, 4), multistep_speedup=_ratio(t_one, t_engine))
+    return out
+
+
 def bound_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine: float, steps: int) -> dict:
-    """The result line's additions (module docstring), measured on this device now."""
+    """The result line's additions (module docstring), measured on this device now. steps: the decode
+    tokens one sequence waited for (each batch's longest output, summed)."""
     config = _config(args)
     wbytes = weight_bytes(config, sides.engine.model.dtype)
     bw = measure_bandwidth(args.device, args.bandwidth_mib)
@@ -132,6 +160,7 @@ def bound_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine:
               "bandwidth": {k: v if k == "buffer_mib" else _sig(v) for k, v in bw.items()}, "bound_ms": _sig(bound_ms),
               "ms_per_token": None if ms_per_token is None else round(ms_per_token, 4), "engine_steps": steps,
               "ratio_to_bound": _ratio(ms_per_token, bound_ms)}
+    result.update(_one_step_figures(sides, batches, args, t_engine, steps))
     result.update(_step_figures(sides, batches, args))
     if args.profile is not None:
         result["profile"] = profile_decode(sides.engine, batches[0], PROFILE_STEPS, args.profile, args.device)

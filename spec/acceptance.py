@@ -51,6 +51,7 @@ from typing import Literal, get_args
 import torch
 
 from spec.sampling import SamplingParams, filtered_probs
+from state.transfer import device_ints
 
 Method = Literal["greedy", "rejection", "typical"]
 _METHODS = frozenset(get_args(Method))
@@ -96,6 +97,14 @@ def pack(result: AcceptanceResult, drafts: torch.Tensor | None) -> torch.Tensor:
     if drafts is not None and drafts.shape[1]:
         parts.append(drafts)
     return torch.cat(parts, dim=1)
+
+
+def pack_runs(tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [B, S] of S greedy decodes in a row (specialists/multistep.py) -> `pack`'s layout with
+    K = S - 1: every token kept, tokens 1..S-1 as the fed ones (what the KV cache wrote after the first)."""
+    B, S = tokens.shape
+    kept = torch.full((B, 1), S - 1, dtype=tokens.dtype, device=tokens.device)
+    return torch.cat([kept, tokens, tokens[:, : S - 1]], dim=1)
 
 
 def unpack(host: list[list[int]], num_drafts: list[int], k: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -254,9 +263,7 @@ def _selector(rows: tuple[int, ...], device: torch.device) -> Rows:
     """A slice for consecutive rows; otherwise an index tensor, copied without blocking the host."""
     if rows[-1] - rows[0] + 1 == len(rows):
         return slice(rows[0], rows[-1] + 1)
-    if device.type == "cuda":  # pinned source: the copy is queued, the host does not wait
-        return torch.tensor(rows, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return device_ints(rows, device)  # on CUDA from pinned memory: the copy is queued, the host does not wait
 
 
 def _take(t: torch.Tensor, rows: Rows) -> torch.Tensor:  # t: [B, ...] -> [n, ...]

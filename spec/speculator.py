@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
+from state.transfer import device_ints
 
 
 class Speculator:
@@ -83,7 +84,11 @@ class Speculator:
         if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
-            plan.static = StaticShape(*self.runner.static_shape(len(decodes), max(committed) + 1 + want[0]), committed)
+            steps = min(seq.decode_steps for seq in decodes)
+            if want[0] == 0 and steps > 1 and plan.greedy and self.ssm is None and not (rebuild and drafting):
+                plan.multi = steps  # specialists/multistep.py: one graph, one sync for `steps` tokens per row
+            plan.static = StaticShape(*self.runner.static_shape(len(decodes), max(committed) + max(1 + want[0], steps)),
+                                      committed)
         return plan
 
     def propose(self, plan: StepPlan) -> Proposal:
@@ -111,19 +116,23 @@ class Speculator:
         drafts = drafts[:, :plan.k]
         if len(spec) < len(plan.rows):  # batch row order: rows that do not draft get zeros (never read)
             full = torch.zeros(len(plan.rows), plan.k, dtype=torch.int64, device=self.device)
-            full[torch.tensor(spec, device=self.device)] = drafts
+            full[device_ints(spec, self.device)] = drafts
             drafts = full
         return Proposal(drafts)
 
     def verify(self, plan: StepPlan, proposal: Proposal) -> Any:
         """The target's forward over the plan with the proposal's drafts (a static greedy step: with
         its acceptance and the drafter's rebuild in the graph) -> the runner's StepResult."""
+        if plan.multi > 1:
+            return self.runner.run_multi(plan.rows, plan.multi)  # (tokens [Bp, S], packed [Bp, 2S])
         in_graph = self._rebuild_in_graph(plan)
         return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None)
 
     def accept(self, plan: StepPlan, proposal: Proposal, res: Any) -> Accepted:
         """Each row's kept drafts and target token (spec/acceptance.py), packed for the host; on the device."""
         B = len(plan.rows)
+        if plan.multi > 1:  # every token of the multi-step decode is kept (the engine cuts the runs)
+            return Accepted(res[0][:B], res[1][:B])
         if res.static is not None and plan.greedy:  # the graph accepted and packed its rows
             return Accepted(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B])
         drafts = None if proposal.drafts is None else proposal.drafts[:B]
@@ -142,6 +151,8 @@ class Speculator:
     def finish(self, plan: StepPlan, forward: Any, accepted: Accepted) -> StepOutput:
         """The drafter's rebuild, then the step's one host sync; a greedy static step drafts the next
         step's chain on the device behind the copy."""
+        if plan.multi > 1:  # runs of `multi` tokens; the fed ones (all but the last) are what commit keeps
+            return StepOutput(*unpack(accepted.packed.tolist(), [plan.multi - 1] * len(plan.rows), plan.multi - 1))
         static = forward.static
         if self._rebuild_in_graph(plan):
             self._draft_out = static.draft_out
@@ -178,9 +189,7 @@ class Speculator:
     def _device_ints(self, values: list) -> torch.Tensor:
         """A host list as an int64 device tensor; on CUDA from pinned memory without blocking the host
         (no sync: the step's one host copy stays its only one)."""
-        if self.device.type == "cuda":
-            return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return device_ints(values, self.device)
 
     def _logits_rows(self, plan: StepPlan) -> torch.Tensor | None:
         """[B, k+1] logits row of each row's positions (a row with fewer repeats its last one, ignored);
@@ -197,11 +206,11 @@ class Speculator:
     def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
         """An eager chain: -> drafts [S, k] (k <= kmax) and how many each sequence should verify (host)."""
         dev = self.device
-        prev = self._draft_out[torch.tensor([self._draft_index[s.seq_id] for s in seqs], device=dev)]
+        prev = self._draft_out[device_ints([self._draft_index[s.seq_id] for s in seqs], dev)]
         committed = [self.kv.num_computed(s.seq_id) for s in seqs]
         tables_host = [self.kv.block_table(s.seq_id) for s in seqs]
         width = max(len(tb) for tb in tables_host)
-        tables = torch.tensor([tb + [0] * (width - len(tb)) for tb in tables_host], dtype=torch.int32, device=dev)
+        tables = device_ints([tb + [0] * (width - len(tb)) for tb in tables_host], dev, torch.int32)
         return self.drafter.chain(prev, committed, tables, kmax)
 
     def _draft_static(self, plan: StepPlan) -> torch.Tensor:
@@ -226,7 +235,7 @@ class Speculator:
             next_tokens = tokens.reshape(-1)
         else:
             pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
-            next_tokens = pool[torch.tensor(src, dtype=torch.int64, device=self.device)]
+            next_tokens = pool[device_ints(src, self.device)]
         self._draft_out = self.drafter.rebuild(res.batch, res.hidden, next_tokens)
 
     def _host_copy(self, packed: torch.Tensor) -> Callable[[], list[list[int]]]:
@@ -254,6 +263,8 @@ class Speculator:
         n = 0
         for b, w in tqdm(self.runner.graph_shapes(max_rows), desc="CUDA graphs", unit="shape", disable=not progress):
             n += self.runner.capture(b, 1, w, post)
+            if post is None and self.runner.decode_steps > 1:  # specialists/multistep.py
+                n += self.runner.capture(b, 1, w, steps=self.runner.decode_steps)
             if k:
                 n += self.runner.capture(b, 1 + k, w, post)
                 n += self.drafter.capture_chain(b, k, w)

@@ -56,6 +56,7 @@ class StepPlan:
     rebuild: bool  # rebuild the drafter's entries from this step's hidden states
     greedy: bool  # every row greedy: exact acceptance by the target's argmax
     static: StaticShape | None = None
+    multi: int = 1  # > 1: that many greedy one-token decodes in one static forward (no drafts)
 
     def settle(self, num_drafts: list[int]) -> None:
         """Each row's drafts once they are proposed (a chain may stop early), and the batch layout."""

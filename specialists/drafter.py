@@ -33,6 +33,7 @@ from specialists.models.mtp import MTPDrafter
 from specialists.models.rope import apply_signed_rope
 from specialists.ops.attention import grouped_attention, paged_attention, workspace, write_kv
 from specialists.ops.linear import proposal_linear
+from state.transfer import device_ints
 
 
 def _fused_ops(fused: bool):
@@ -163,7 +164,7 @@ class PagedDrafter:
         the host after each depth, so it is meant for the CPU, where a read is not a device sync."""
         cmax = max(committed)
         tab = tables[:, : -(-cmax // self.block_size)].reshape(-1).long()
-        c = torch.tensor(committed, dtype=torch.int64, device=prev.device)
+        c = device_ints(committed, prev.device)
         return self._chain(prev, c, tab, k, cmax, masked=prev.shape[0] > 1)
 
     @torch.inference_mode()
@@ -204,7 +205,7 @@ class PagedDrafter:
         if buf is not host:
             buf.copy_(host, non_blocking=True)
         if not in_place:  # an eager rebuild's (a prefill step's) outputs
-            self._entries[:S].copy_(source[torch.tensor(rows, device=source.device)])
+            self._entries[:S].copy_(source[device_ints(rows, source.device)])
         self._grow(width + k)  # outside a capture
         c, idx, tables = buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:].view(num_rows, nblk)
         return self.graphs.run(key, lambda: self._static_drafts(self._entries.index_select(0, idx), c, tables, k, width))

@@ -218,7 +218,9 @@ class Engine:
         t_step = time.perf_counter()
         status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
         policy = self.gate.policy
-        self._plan_drafts(policy.num_speculative_tokens if status == "on" else 0)
+        rebuild = self.drafter is not None and policy.mode != "off"
+        multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
+        self._plan_drafts(policy.num_speculative_tokens if status == "on" else 0, multi)
         step = sched.schedule()
         if step.empty:
             if sched.has_unfinished():
@@ -228,7 +230,6 @@ class Engine:
         for seq, _ in step.prefills:
             if seq.stats.first_scheduled_time is None:
                 seq.stats.first_scheduled_time = now
-        rebuild = self.drafter is not None and policy.mode != "off"
         typical = TypicalParams(policy.typical.epsilon, policy.typical.delta)
         rows, out = self.speculator.execute(step.prefills, step.decodes, policy.acceptance, typical, rebuild)
 
@@ -254,13 +255,16 @@ class Engine:
                 queue.put_nowait(o)
         return outs
 
-    def _plan_drafts(self, k: int) -> None:
-        """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call."""
+    def _plan_drafts(self, k: int, steps: int = 1) -> None:
+        """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call; and
+        how many greedy plain decodes it may run in one forward (steps, fewer near max_model_len)."""
         for seq in self.scheduler.running:
             room = self.cfg.max_model_len - len(seq.all_ids) - 1  # past max_model_len: no KV room
             if not self.runner.static:  # static steps draft past max_tokens and cut (one graph per K)
                 room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
             seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
+            # greedy plain decodes of a static batch: several per step (past max_tokens too, then cut)
+            seq.decode_steps = max(1, min(steps, room + 1)) if seq.params.greedy and not seq.spec_k else 1
 
     def _cut_runs(self, rows: list, out, status: str) -> tuple[list[int], list[str | None]]:
         """Each run cut at its triggers (-> tokens kept, the event that cut it), and the step's

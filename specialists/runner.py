@@ -40,33 +40,14 @@ import torch
 from spec.acceptance import greedy_accept, pack
 from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
+from specialists.multistep import multi_decode
 from specialists.options import EngineConfig
-from specialists.staging import StaticInputs
+from specialists.staging import BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width
 from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
-
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_GRAPH_BATCH = 64  # static (graph) batches up to this many rows; larger ones run eagerly
-MIN_CONTEXT_WIDTH = 256  # the smallest attention width of a static batch
+from state.transfer import device_ints
 
 Rebuild = Callable[[ForwardBatch, torch.Tensor, torch.Tensor], torch.Tensor]  # (batch, hidden, next tokens) -> entries
-
-
-def bucket_size(n: int) -> int:
-    """The smallest bucket >= n (n itself past the largest bucket)."""
-    for b in BUCKETS:
-        if b >= n:
-            return b
-    return n
-
-
-def context_width(n: int, cap: int) -> int:
-    """The attention width of a static batch whose longest context is n: the smallest power of two
-    >= max(n, MIN_CONTEXT_WIDTH), at most cap (the block tables' full width in positions)."""
-    w = MIN_CONTEXT_WIDTH
-    while w < n:
-        w *= 2
-    return min(w, cap)
 
 
 def _step_key(rows: int, q: int, width: int, rebuild: Rebuild | None) -> tuple:
@@ -132,6 +113,7 @@ class Runner:
         self.model, self.kv, self.ssm = model, kv, ssm
         self.device = cfg.device
         self.pad_batches = cfg.pad_batches
+        self.decode_steps = cfg.decode_steps if ssm is None else 1  # greedy decodes per static step (multistep.py)
         self.static = cfg.static_batches  # padded decode / verify batches of one shape run static (graphs)
         # block tables wide enough for max_model_len (+ a verify's lookahead): static batches use the full width
         blocks = -(-cfg.max_model_len // kv.block_size) + 2
@@ -170,8 +152,9 @@ class Runner:
 
     # ---- batches -----------------------------------------------------------------------------
 
-    def build(self, rows: list[BatchRow]) -> tuple[ForwardBatch, ForwardBatch]:
-        """rows -> (the padded batch the model runs, the real rows' batch: a prefix of the same buffers)."""
+    def build(self, rows: list[BatchRow], lookahead: int = 0) -> tuple[ForwardBatch, ForwardBatch]:
+        """rows -> (the padded batch the model runs, the real rows' batch: a prefix of the same buffers);
+        a static batch's width also covers `lookahead` more tokens per row (multi-step decodes)."""
         if not rows:
             raise ValueError("empty batch")
         starts = [self.kv.num_computed(r.seq_id) for r in rows]
@@ -184,7 +167,7 @@ class Runner:
         ctx = self.inputs.staging("context_lens", lay.Bp)
         max_ctx = int(ctx.max())
         if lay.static:
-            max_ctx = context_width(max_ctx, self.max_context_width)
+            max_ctx = context_width(max_ctx + lookahead, self.max_context_width)
             self.static_steps += 1
         B, qlens = lay.B, [r.q for r in rows]
 
@@ -305,7 +288,7 @@ class Runner:
             t += r.q
         if idx:
             dev = drafts.device
-            batch.input_ids.index_copy_(0, torch.tensor(idx, device=dev), drafts.reshape(-1)[torch.tensor(src, device=dev)])
+            batch.input_ids.index_copy_(0, device_ints(idx, dev), drafts.reshape(-1)[device_ints(src, dev)])
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -327,12 +310,29 @@ class Runner:
         T = real.num_tokens
         return StepResult(out.logits[:T], out.hidden[:T], real, out)
 
-    def _static_step(self, batch: ForwardBatch, rebuild: Rebuild | None) -> StaticOutputs:
-        """The graph of a static batch (captured on its shape's first call): forward, logits, argmax,
-        the rows' greedy acceptance packed for the host and, given, the drafter's rebuild."""
+    @torch.inference_mode()
+    def run_multi(self, rows: list[BatchRow], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` greedy one-token decodes of every row (a static batch) in one graph
+        (specialists/multistep.py) -> (tokens [Bp, steps], packed [Bp, 2 steps]) on the device."""
+        batch, _ = self.build(rows, lookahead=steps - 1)
+        if not batch.static or self.ssm is not None:
+            raise ValueError("multi-step decodes need a static batch of an attention-only model")
+        return self._multi_step(batch, steps)
+
+    def _multi_step(self, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_generation()
+        return self.graphs.run(("multi", batch.num_seqs, steps, batch.max_context_len),
+                               lambda: multi_decode(self.model, self.kv, batch, steps))
+
+    def _check_generation(self) -> None:
         if self.inputs.generation != self._generation:  # the buffers were reallocated
             self.graphs.clear()
             self._generation = self.inputs.generation
+
+    def _static_step(self, batch: ForwardBatch, rebuild: Rebuild | None) -> StaticOutputs:
+        """The graph of a static batch (captured on its shape's first call): forward, logits, argmax,
+        the rows' greedy acceptance packed for the host and, given, the drafter's rebuild."""
+        self._check_generation()
 
         def step() -> StaticOutputs:
             batch.__dict__.pop("_attn_meta", None)  # built inside the graph, from the static buffers
@@ -354,12 +354,14 @@ class Runner:
     # ---- graphs ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None) -> bool:
+    def capture(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None, steps: int = 1) -> bool:
         """Captures the static step graph of (num_rows bucket, q tokens per row, context width) on a
         batch of padding rows only (they read and write only the scratch block and slot), so that no
-        request pays for the capture. False when there are no graphs or it is captured already."""
+        request pays for the capture; steps > 1: the multi-step decode graph (q = 1). False when there
+        are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
-        if not self.graphs.enabled or self.graphs.has(_step_key(Bp, q, width, rebuild)) or not self.static_batch(Bp, q):
+        key = ("multi", Bp, steps, width) if steps > 1 else _step_key(Bp, q, width, rebuild)
+        if not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q) or (steps > 1 and self.ssm is not None):
             return False
         inp = self.inputs
         inp.ensure(Bp * q, Bp, inp.max_blocks)
@@ -368,7 +370,8 @@ class Runner:
         inp.staging("query_start_loc", 1)[0] = 0
         self._pad_rows(0, Bp, 0, q, True, lay.width)
         inp.upload()
-        self._static_step(self._views(lay, Bp, lay.Tp, lay.Tp, [-1] * Bp, [q] * Bp, [False] * Bp, width), rebuild)
+        views = self._views(lay, Bp, lay.Tp, lay.Tp, [-1] * Bp, [q] * Bp, [False] * Bp, width)
+        self._multi_step(views, steps) if steps > 1 else self._static_step(views, rebuild)
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
         return True
 

@@ -50,6 +50,7 @@ class Sequence:
     text: str = ""
     generator: torch.Generator | None = None
     spec_k: int = 0  # drafts to verify this step (set by the engine before scheduling)
+    decode_steps: int = 1  # greedy plain decodes this step may run in one forward (specialists/multistep.py)
     in_tool: bool = False  # inside a tool-call segment: decoded without speculation
     draft_ok: bool = False  # the drafter's entries cover every committed token
     stats: RequestStats = field(default_factory=RequestStats)
@@ -140,12 +141,12 @@ class Scheduler:
                     # room for [last, d1..dk], and with draft_lookahead for the k-1 chained entries the
                     # drafter writes past the accepted ones when it drafts the next step ahead
                     extra = seq.spec_k - 1 if self.draft_lookahead and seq.spec_k else 0
-                    self.kv.reserve(seq.seq_id, 1 + seq.spec_k + extra)
+                    self.kv.reserve(seq.seq_id, max(1 + seq.spec_k + extra, seq.decode_steps))
                     scheduled.append(seq)
                     break
                 except NoFreeBlocksError:
-                    if seq.spec_k:  # drop the drafts before preempting anyone
-                        seq.spec_k = 0
+                    if seq.spec_k or seq.decode_steps > 1:  # drop the drafts and steps ahead before preempting anyone
+                        seq.spec_k, seq.decode_steps = 0, 1
                         continue
                     victim = self.running[-1]
                     self.preempt(victim)

@@ -58,3 +58,25 @@ class StaticInputs:
         """One host -> device copy of everything a step needs (on CPU the staging buffer is the device's)."""
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GRAPH_BATCH = 64  # static (graph) batches up to this many rows; larger ones run eagerly
+MIN_CONTEXT_WIDTH = 256  # the smallest attention width of a static batch
+
+
+def bucket_size(n: int) -> int:
+    """The smallest bucket >= n (n itself past the largest bucket)."""
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    return n
+
+
+def context_width(n: int, cap: int) -> int:
+    """The attention width of a static batch whose longest context is n: the smallest power of two
+    >= max(n, MIN_CONTEXT_WIDTH), at most cap (the block tables' full width in positions)."""
+    w = MIN_CONTEXT_WIDTH
+    while w < n:
+        w *= 2
+    return min(w, cap)

@@ -21,6 +21,7 @@ import torch
 from state import prefix_cache as _pc
 from state.block_pool import BlockPool, NoFreeBlocksError
 from state.prefix_cache import PrefixCache
+from state.transfer import device_ints
 
 __all__ = ["KVCache", "KVCacheConfig", "NoFreeBlocksError", "SlotRangeError", "UnknownSequenceError", "flat_slots"]
 
@@ -170,13 +171,15 @@ class KVCache:
             raise ValueError(f"seq {seq_id}: committed ids at [{p0}, {p0 + in_prompt}) differ from the prompt")
         s.tokens.extend(accepted)
         s.num_computed += num_accepted
-        self.rollback(seq_id, s.num_computed)
+        # nothing rejected: the tail past the pointer was not written this step (and was zero before)
+        self.rollback(seq_id, s.num_computed, zero_tail=num_accepted < n)
         if self.cfg.enable_prefix_cache:
             self._register_full_blocks(s)
 
-    def rollback(self, seq_id: int, num_tokens: int) -> None:
+    def rollback(self, seq_id: int, num_tokens: int, zero_tail: bool = True) -> None:
         """Moves the pointer (and the committed list) back to num_tokens: trailing blocks are released,
-        the partial tail of the last kept block is zeroed in every layer of k and v. A kept partial block
+        the partial tail of the last kept block is zeroed in every layer of k and v (zero_tail=False: the
+        caller knows nothing past num_tokens was written since the tail was last zero; saves two kernels). A kept partial block
         shared with another table is copied first (copy-on-write); raises NoFreeBlocksError, changing
         nothing, if that copy has no block."""
         s = self._seq(seq_id)
@@ -209,8 +212,9 @@ class KVCache:
                 if self.pool.cached[last]:  # a committed full block cut short: its entry is no longer true
                     self.prefix.remove_block(last)
                     self.pool.unmark_cached(last)
-                self.k[:, last, off:] = 0
-                self.v[:, last, off:] = 0
+                if zero_tail:
+                    self.k[:, last, off:] = 0
+                    self.v[:, last, off:] = 0
         _require(s.num_computed == len(s.tokens),
                  f"seq {seq_id}: pointer {s.num_computed} != committed length {len(s.tokens)}")
         _require(len(s.table) == _cdiv(num_tokens, bs),
@@ -299,7 +303,7 @@ class KVCache:
         a = self.pool.allocate(n)
         for b in a.evicted:
             self.prefix.remove_block(b)
-        idx = torch.tensor(a.block_ids, device=self.k.device)
+        idx = device_ints(a.block_ids, self.k.device)  # no sync: a pageable copy would wait for the step
         self.k.index_fill_(1, idx, 0)
         self.v.index_fill_(1, idx, 0)
         return a.block_ids

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from state.transfer import device_ints
+
 __all__ = ["SSMCacheConfig", "NoFreeSlotsError", "SSMCache"]
 
 
@@ -251,8 +253,7 @@ class SSMCache:
                 continue
             if rows not in index:
                 dev = convs.device
-                index[rows] = (torch.tensor(rows, device=dev), torch.tensor(pos, device=dev),
-                               torch.tensor(dst, device=self.conv.device))
+                index[rows] = (device_ints(rows, dev), device_ints(pos, dev), device_ints(dst, self.conv.device))
             r, p, d = index[rows]
             self.conv[d, layer] = convs[r, p].to(self.conv.device, self.conv.dtype)
             state = ssms[r.to(ssms.device), p.to(ssms.device)] if isinstance(ssms, torch.Tensor) else ssms.state_after(r, p)

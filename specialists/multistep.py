@@ -1,0 +1,56 @@
+"""Several greedy decode steps in one static forward (one CUDA graph, one host sync).
+
+At real sizes on a GPU a plain decode step is a graph replay of ~1-2 ms followed by ~0.4 ms of host
+work (the copy of its tokens, commit, emit, the next step's batch) while the GPU idles. With
+`decode_steps` S > 1 a static batch of greedy decodes runs S steps back to back on the device: step j
+feeds the argmax of step j-1, at positions p+j, into slots found through the block tables, with
+contexts one longer each step. The host then treats the S tokens as one run, exactly like a verify
+whose drafts were all accepted: the engine cuts it at EOS / stop / triggers / max_tokens, and the KV
+cache commits the kept tokens and rolls back the rest (spec/speculator.py commit).
+
+Each step is the same forward, over the same static buffers' layout, as a plain one-token decode of
+that position, so the tokens are the ones S single steps would give. Attention-only models: a hybrid's
+Mamba layers stage their per-token state for the engine's commit instead of writing it, so step j+1
+could not read step j's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from spec.acceptance import pack_runs
+from specialists.models.batch import ForwardBatch
+
+__all__ = ["multi_decode", "step_batch"]
+
+
+def step_batch(batch: ForwardBatch, tokens: torch.Tensor, j: int, block_size: int) -> ForwardBatch:
+    """The one-token decode batch of step j (0-based) of `batch` (a static batch of one token per row):
+    tokens [Bp] at positions + j, contexts + j, slots through the block tables."""
+    if j == 0:
+        return replace(batch, input_ids=tokens)
+    pos = batch.positions + j  # [Bp]
+    blocks = batch.block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long()  # [Bp]
+    return replace(batch, input_ids=tokens, positions=pos, slot_mapping=blocks * block_size + pos % block_size,
+                   context_lens=batch.context_lens + j)
+
+
+def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """steps greedy decodes of a static one-token batch -> (tokens [Bp, steps], packed [Bp, 1 + 2 steps])
+    in spec.acceptance.pack's layout: every token kept, tokens 1..steps-1 as the fed ones."""
+    if batch.max_query_len != 1 or not batch.static:
+        raise ValueError("multi_decode takes a static batch of one token per row")
+    cur = batch.input_ids  # [Bp]
+    out = []
+    for j in range(steps):
+        b = step_batch(batch, cur, j, kv.block_size)
+        b.__dict__.pop("_attn_meta", None)  # each step's lengths differ: its own attention metadata
+        b.staged = []
+        hidden = model.forward(b, kv, None)  # [Bp, d]
+        cur = model.logits(hidden).float().argmax(-1)  # [Bp], as the one-token decode graph computes it
+        out.append(cur)
+    tokens = torch.stack(out, dim=1)  # [Bp, steps]
+    return tokens, pack_runs(tokens)
