@@ -56,7 +56,8 @@ def profile_decode(engine: Any, prompts: list[list[int]], steps: int, path: Path
     the requests; writes the table to `path` and returns the per-step summary."""
     from specialists.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    per_step = getattr(getattr(engine, "runner", None), "decode_steps", 1)  # multi-step decodes: tokens per step
+    params = SamplingParams(max_tokens=steps * per_step + 4, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     while engine.scheduler.waiting:  # the prefills
@@ -72,7 +73,7 @@ def profile_decode(engine: Any, prompts: list[list[int]], steps: int, path: Path
         wall = time.perf_counter() - t0
     while engine.has_unfinished():
         engine.step()
-    summary = _summary(prof, steps, wall)
+    summary = {**_summary(prof, steps, wall), "decode_steps": per_step}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# {json.dumps(summary)}\n# {len(prompts)} sequences decoding, plain engine\n\n" + _table(prof, cuda) + "\n")
     return summary
