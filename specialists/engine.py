@@ -41,6 +41,7 @@ from specialists.sampling import SamplingParams
 from specialists.scheduler import Scheduler, Sequence, Status
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
+from state.ssm_snapshots import SSMSnapshots, default_capacity
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,15 @@ class Engine:
         no speculation); `draft_vocab`: [N] token ids the drafter may propose (None: all)."""
         self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, cfg.device
         hybrid = model.num_mamba_layers > 0
-        if hybrid and cfg.enable_prefix_cache:
-            log.info("prefix cache off: hybrid model (SSM state is not snapshotted per block yet)")
-        self.kv = KVCache(model.kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache and not hybrid))
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
+        snaps = 0  # a hybrid's prefix hits need its Mamba state at the hit's end (state/ssm_snapshots.py)
+        if hybrid and cfg.enable_prefix_cache:
+            snaps = cfg.ssm_snapshots if cfg.ssm_snapshots is not None else default_capacity(self.ssm.config, cfg.num_blocks)
+        prefix = cfg.enable_prefix_cache and (not hybrid or snaps > 0)
+        self.kv = KVCache(model.kv_cache_config(cfg.num_blocks, cfg.block_size, prefix))
+        self.snapshots = SSMSnapshots(self.ssm, self.kv, snaps) if hybrid and prefix else None
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler.snapshots = self.snapshots
         self.runner = Runner(model, self.kv, self.ssm, cfg)
         self.drafter = None if drafter is None else PagedDrafter(
             drafter, model.embed, model.lm_head, num_blocks=cfg.num_blocks, block_size=cfg.block_size, vocab=draft_vocab,
@@ -168,7 +173,8 @@ class Engine:
     def stats(self) -> dict:
         return {"steps": self.steps, "preemptions": self.scheduler.num_preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                **(self.snapshots.stats() if self.snapshots is not None else {})}
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -231,11 +237,16 @@ class Engine:
             if seq.stats.first_scheduled_time is None:
                 seq.stats.first_scheduled_time = now
         typical = TypicalParams(policy.typical.epsilon, policy.typical.delta)
+        if self.snapshots is not None:  # a hybrid's prefills keep their states at block boundaries
+            self.snapshots.plan(step.prefills)
         rows, out = self.speculator.execute(step.prefills, step.decodes, policy.acceptance, typical, rebuild)
 
         t0 = time.perf_counter()
         kept, events = self._cut_runs(rows, out, status)
+        pending = self.snapshots.capture(rows, kept) if self.snapshots is not None else []
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
+        if pending:  # the committed blocks' entries exist now
+            self.snapshots.store(pending)
         outs = [self._emit(row.seq, run[:n], event) for row, run, n, event in zip(rows, out.runs, kept, events)]
         t_commit = time.perf_counter() - t0
         for row in rows:

@@ -33,7 +33,8 @@ class EngineOptions:
     max_model_len: int | None = None  # None: 2048; always capped by the model's max_position_embeddings
     block_size: int = 16
     num_blocks: int | None = None  # None: room for max_num_seqs full-length sequences
-    enable_prefix_cache: bool = True  # (off for hybrids: SSM state is not snapshotted per block)
+    enable_prefix_cache: bool = True  # hybrids too: with Mamba state snapshots at block boundaries
+    ssm_snapshots: int | None = None  # hybrids: snapshot pool size (None: 256 MiB worth; 0: no prefix cache for hybrids)
     max_num_batched_tokens: int = 4096
     check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
     load_mtp: bool = True  # load the checkpoint's MTP drafter (when the policy may speculate)
@@ -66,9 +67,12 @@ class EngineOptions:
         if model_max_len is not None:
             limit = min(limit, model_max_len)
         num_blocks = self.num_blocks or self.max_num_seqs * -(-limit // self.block_size)
+        if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
+            raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
         return EngineConfig(
             device=dev, dtype=self.dtype, max_num_seqs=self.max_num_seqs, max_model_len=limit,
             block_size=self.block_size, num_blocks=num_blocks, enable_prefix_cache=self.enable_prefix_cache,
+            ssm_snapshots=self.ssm_snapshots,
             max_num_batched_tokens=self.max_num_batched_tokens, check_invariants=self.check_invariants,
             draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter),
@@ -87,6 +91,7 @@ class EngineConfig:
     block_size: int
     num_blocks: int
     enable_prefix_cache: bool
+    ssm_snapshots: int | None  # None: state.ssm_snapshots.default_capacity (the model's state size decides)
     max_num_batched_tokens: int
     check_invariants: bool
     draft_min_confidence: float  # 0.0: off

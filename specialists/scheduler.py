@@ -22,6 +22,7 @@ from specialists.sampling import SamplingParams
 from state.block_pool import NoFreeBlocksError
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
+from state.ssm_snapshots import SSMSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
+        self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,7 +119,7 @@ class Scheduler:
                 break
             if not self.kv.can_allocate(len(ids) + 1) or (self.ssm is not None and self.ssm.num_free() == 0):
                 break
-            cached = self.kv.add_sequence(seq.seq_id, ids)
+            cached = self.kv.add_sequence(seq.seq_id, ids, self.snapshots.has if self.snapshots is not None else None)
             try:
                 self.kv.reserve(seq.seq_id, len(ids) - cached)
             except NoFreeBlocksError:
@@ -126,6 +128,8 @@ class Scheduler:
             self.waiting.popleft()
             self.prefix_hit_tokens += cached
             seq.admit(self.ssm.allocate() if self.ssm is not None else -1)
+            if cached and self.snapshots is not None:  # KV and Mamba state of the same prefix
+                self.snapshots.restore(seq.seq_id, seq.ssm_slot, cached)
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached

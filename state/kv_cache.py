@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +89,7 @@ class KVCache:
         self.pool = BlockPool(cfg.num_blocks)
         self.prefix = PrefixCache()
         self._seqs: dict[int, _Seq] = {}
+        self.unusable_hit_tokens = 0  # cached tokens a hit left out: no usable entry at their end (add_sequence)
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -109,6 +110,15 @@ class KVCache:
     def sequence_ids(self) -> list[int]:
         return list(self._seqs)
 
+    def entry_id(self, seq_id: int, block_index: int) -> int | None:
+        """The live prefix-cache entry standing for the sequence's committed full block `block_index`
+        (None: not in the cache, e.g. after a hash collision, or an identical entry since evicted)."""
+        chain = self._seq(seq_id).chain
+        if not 0 <= block_index < len(chain):
+            return None
+        h, entry = chain[block_index]
+        return entry if self.prefix.is_live(h, entry) else None
+
     def slot_mapping(self, seq_id: int, start: int, n: int) -> list[int]:
         """Flat slots (block_id * block_size + offset) of positions start..start+n-1, all reserved."""
         s = self._seq(seq_id)
@@ -118,15 +128,18 @@ class KVCache:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def add_sequence(self, seq_id: int, token_ids: list[int]) -> int:
+    def add_sequence(self, seq_id: int, token_ids: list[int], usable: Callable[[int], bool] | None = None) -> int:
         """Registers the prompt, shares the prefix-cache hits over its full blocks (never the block of
-        the last prompt token) and returns the number of cached tokens, now the write pointer."""
+        the last prompt token) and returns the number of cached tokens, now the write pointer.
+        `usable(entry_id)`: whether a hit may end at that entry (a hybrid's: it has the Mamba state
+        there); the hit is cut back to the longest prefix that ends at a usable entry."""
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id} already exists")
         bs = self.block_size
         table: list[int] = []
         chain: list[tuple[int, int]] = []
         if self.cfg.enable_prefix_cache:
+            hits: list[tuple[int, _pc.CacheEntry]] = []
             parent_hash, parent_entry = _pc.ROOT_HASH, _pc.ROOT_ENTRY
             for i in range((len(token_ids) - 1) // bs):  # empty prompt: range(-1) is empty
                 toks = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -134,10 +147,16 @@ class KVCache:
                 e = self.prefix.lookup(h, parent_entry, toks)
                 if e is None:
                     break
+                hits.append((h, e))
+                parent_hash, parent_entry = h, e.entry_id
+            found = len(hits)
+            while usable is not None and hits and not usable(hits[-1][1].entry_id):
+                hits.pop()
+            self.unusable_hit_tokens += (found - len(hits)) * bs
+            for h, e in hits:
                 self.pool.incref(e.block_id)
                 table.append(e.block_id)
                 chain.append((h, e.entry_id))
-                parent_hash, parent_entry = h, e.entry_id
         n = len(table) * bs
         self._seqs[seq_id] = _Seq(list(token_ids), list(token_ids[:n]), n, table, n, chain)
         if n:

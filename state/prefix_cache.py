@@ -7,6 +7,7 @@ the token ids to match, so a hash collision or a stale parent (evicted, its bloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ROOT_HASH = 0x9E3779B9  # the parent hash of a sequence's first block
@@ -32,6 +33,7 @@ class PrefixCache:
     _by_hash: dict[int, CacheEntry] = field(default_factory=dict)
     _by_block: dict[int, CacheEntry] = field(default_factory=dict)
     _next_entry_id: int = 0
+    on_remove: Callable[[int], None] | None = None  # called with the entry id of every entry removed
 
     def __len__(self) -> int:
         return len(self._by_block)
@@ -41,6 +43,11 @@ class PrefixCache:
 
     def entry_of_block(self, block_id: int) -> CacheEntry | None:
         return self._by_block.get(block_id)
+
+    def is_live(self, block_hash: int, entry_id: int) -> bool:
+        """Whether entry `entry_id` (of that hash) is still in the cache."""
+        e = self._by_hash.get(block_hash)
+        return e is not None and e.entry_id == entry_id
 
     def lookup(self, block_hash: int, parent_entry_id: int, token_ids: tuple[int, ...]) -> CacheEntry | None:
         """The entry holding exactly these tokens after exactly that parent, or None."""
@@ -70,3 +77,5 @@ class PrefixCache:
         e = self._by_block.pop(block_id, None)
         if e is not None and self._by_hash.get(e.hash) is e:
             del self._by_hash[e.hash]
+        if e is not None and self.on_remove is not None:
+            self.on_remove(e.entry_id)

@@ -99,6 +99,8 @@ class SSMCache:
         self._owned: set[int] = set()
         # layer -> (slots [B] long, conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N])
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._want: dict[int, list[int]] = {}  # slot -> token counts of its next prefill to keep states at
+        self._held: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> layer -> those states
 
     # -- slots -------------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -259,6 +261,52 @@ class SSMCache:
             state = ssms[r.to(ssms.device), p.to(ssms.device)] if isinstance(ssms, torch.Tensor) else ssms.state_after(r, p)
             self.ssm[d, layer] = state.to(self.ssm.device, torch.float32)
         self._staged.clear()
+
+    # -- states inside a step (the prefix cache's snapshots, state/ssm_snapshots.py) ----------------
+    def want_prefill_states(self, slot: int, counts: list[int]) -> None:
+        """The next forward's prefill of `slot` keeps (`hold`s) its states after each of its first n
+        tokens, n in counts (increasing, below the prefill's length)."""
+        if counts:
+            self._want[int(slot)] = list(counts)
+
+    def prefill_counts(self, slot: int) -> list[int]:
+        return self._want.get(int(slot), [])
+
+    def hold(self, layer: int, slot: int, conv_at: torch.Tensor, ssm_at: torch.Tensor) -> None:
+        """A prefill's states after prefill_counts(slot): conv_at [n, conv_dim, K-1], ssm_at [n, H, P, N]."""
+        self._held.setdefault(int(slot), {})[self._layer(layer)] = (conv_at, ssm_at)
+
+    def state_after(self, slot: int, n: int, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [L, conv_dim, K-1], ssm [L, H, P, N]): every Mamba layer's state after the first n
+        tokens this step fed `slot`, between the forward and `commit`: a prefill's held states, else the
+        staged per-token states; `last` (n is all the step commits of the slot): the slot itself when
+        nothing is staged (a prefill's end, or a plain decode that wrote it)."""
+        slot, L = int(slot), self.config.num_layers
+        held = self._held.get(slot)
+        if held is not None and n in self._want.get(slot, []):
+            i = self._want[slot].index(n)
+            return torch.stack([held[layer][0][i] for layer in range(L)]), torch.stack([held[layer][1][i] for layer in range(L)])
+        staged = {k: v for k, v in self._staged.items() if slot in v[0].tolist()}
+        if not staged:
+            if not last:
+                raise ValueError(f"slot {slot}: no state after {n} tokens of this step (neither held nor staged)")
+            return self.conv[slot].clone(), self.ssm[slot].clone()
+        if _ALL in staged:
+            idx, convs, ssms = staged[_ALL]
+            r = idx.tolist().index(slot)
+            return convs[r, n - 1].clone(), ssms[r, n - 1].clone()
+        convs_out, ssms_out = [], []
+        for layer in range(L):
+            idx, convs, ssms = staged[layer]
+            r = idx.tolist().index(slot)
+            convs_out.append(convs[r, n - 1])
+            ssms_out.append(ssms[r, n - 1] if isinstance(ssms, torch.Tensor) else ssms.state_after(slice(r, r + 1), n - 1)[0])
+        return torch.stack(convs_out), torch.stack(ssms_out)
+
+    def release_held(self) -> None:
+        """Forget this step's wanted and held prefill states."""
+        self._want.clear()
+        self._held.clear()
 
     def discard(self) -> None:
         """Drop the staging without writing (equivalent to commit with all zeros)."""

@@ -6,7 +6,8 @@ either attention (partial rotary: RoPE on the first partial_rotary_factor * head
 paged KV) or a Mamba2 mixer whose states live in an SSMCache slot per sequence:
 
 * prefill sequences: one `mamba2_prefill` each, continuing from the slot's state (chunked prefill),
-  and the final state is written to the slot at once;
+  and the final state is written to the slot at once (with the states at the block boundaries the
+  prefix cache wants, `ssm.prefill_counts`, held in the cache: state/ssm_snapshots.py);
 * decode / verify sequences (q = 1 or K+1 tokens): one batched `mamba2_multi_step` (shorter
   sequences padded at the end: states are causal, the padding never reaches an accepted state),
   the per-token states staged with `ssm.stage`; the engine calls `ssm.commit(slots, num_accepted)`
@@ -25,7 +26,7 @@ from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
     AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, mlp_block, rms_norm,
 )
-from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill
+from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, mamba2_prefill_at
 from specialists.ops.mamba2_steps import mamba2_multi_step, mamba2_verify
 
 __all__ = ["BambaModel"]
@@ -101,7 +102,12 @@ class BambaModel(DecoderBase):
                 continue
             s, e = qsl[b], qsl[b + 1]
             conv, state = ssm.read(layer, [slots[b]])
-            y, conv, state = mamba2_prefill(p, x[s:e], conv[0], state[0])
+            at = ssm.prefill_counts(slots[b])  # block boundaries inside the prefill (prefix-cache snapshots)
+            if at:
+                y, conv, state, conv_at, ssm_at = mamba2_prefill_at(p, x[s:e], conv[0], state[0], at)
+                ssm.hold(layer, slots[b], conv_at, ssm_at)
+            else:
+                y, conv, state = mamba2_prefill(p, x[s:e], conv[0], state[0])
             out[s:e] = y
             ssm.write(layer, [slots[b]], conv, state)
         if steps:

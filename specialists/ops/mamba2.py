@@ -31,7 +31,7 @@ import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from specialists.ops.linear import linear
 __all__ = [
     "Mamba2Params",
     "mamba2_prefill",
+    "mamba2_prefill_at",
     "segsum",
 ]
 
@@ -236,13 +237,13 @@ def _zeros_states(p: Mamba2Params, batch: tuple[int, ...], device, dtype):
 
 def _ssd_chunked(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bh: torch.Tensor, Ch: torch.Tensor,
-    D: torch.Tensor, init: torch.Tensor, chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    D: torch.Tensor, init: torch.Tensor, chunk: int, at: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked SSD scan of one sequence, fp32.
 
     x [T, H, P], dt [T, H], A [H], Bh/Ch [T, H, N], D [H], init [H, P, N] -> (y [T, H, P], final
-    state [H, P, N]). Zero-padding to whole chunks is exact: a padded token has dt = 0 (no decay,
-    no input)."""
+    state [H, P, N], the states after the first n tokens for each n in `at` [len(at), H, P, N] or
+    None). Zero-padding to whole chunks is exact: a padded token has dt = 0 (no decay, no input)."""
     T, H, P = x.shape
     N = Bh.shape[-1]
     pad = (-T) % chunk
@@ -275,7 +276,13 @@ def _ssd_chunked(
     # 4. the chunk start state seen from each position: y_l += exp(cum_l) C_l . start
     y = y + torch.einsum("clhn,chpn->clhp", Cc, starts[:-1]) * torch.exp(cum).permute(0, 2, 1)[..., None]
     y = y.reshape(nc * chunk, H, P)[:T] + D.float()[:, None] * x[:T]
-    return y, final
+    states_at = None
+    if at:  # state after n tokens: its chunk's start state decayed to it, plus the chunk's inputs up to it
+        n = torch.as_tensor(list(at), device=x.device) - 1
+        c, l = n // chunk, n % chunk
+        added = torch.einsum("khs,kshn,kshp->khpn", decay[c, :, l, :], Bc[c], xdt[c])  # [len(at), H, P, N]
+        states_at = torch.exp(cum[c, :, l])[..., None, None] * starts[c] + added
+    return y, final, states_at
 
 
 def _use_triton(device: torch.device):
@@ -299,49 +306,89 @@ def mamba2_prefill(
 
     backend: "auto" (Triton chunk scan on CUDA when mamba-ssm loads, else torch), "torch", "triton".
     The inputs are not modified."""
+    return _prefill(p, u, conv_state, ssm_state, (), backend)[:3]
+
+
+def mamba2_prefill_at(
+    p: Mamba2Params,
+    u: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    ssm_state: torch.Tensor | None,
+    at: Sequence[int],
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mamba2_prefill that also returns the states after the first n tokens of u, for each n in `at`
+    (increasing, 1 <= n <= T): (y, conv_state, ssm_state, conv_at [len(at), conv_dim, K-1], ssm_at
+    [len(at), H, P, N] fp32). The prefix cache snapshots a hybrid's state at block boundaries with it
+    (state/ssm_snapshots.py). On the torch path they come out of the same chunked scan; on Triton the
+    prefill runs as segments cut at `at` (the kernel returns final states only)."""
+    at = [int(n) for n in at]
+    if not at or at != sorted(set(at)) or at[0] < 1 or at[-1] > u.shape[0]:
+        raise ValueError(f"at must be increasing token counts in [1, {u.shape[0]}], got {at}")
+    return _prefill(p, u, conv_state, ssm_state, at, backend)
+
+
+def _prefill_segments(
+    p: Mamba2Params, u: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+    at: Sequence[int], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mamba2_prefill_at by one prefill per segment between the counts in `at` (u [T, d])."""
+    ys, convs, ssms = [], [], []
+    start = 0
+    for end in sorted({*at, u.shape[0]}):
+        if end > start:
+            y, conv_state, ssm_state = _prefill(p, u[start:end], conv_state, ssm_state, (), backend)[:3]
+            ys.append(y)
+        if end in at:
+            convs.append(conv_state)
+            ssms.append(ssm_state)
+        start = end
+    return torch.cat(ys), conv_state, ssm_state, torch.stack(convs), torch.stack(ssms)
+
+
+def _prefill(
+    p: Mamba2Params, u: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+    at: Sequence[int], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     if u.dim() != 2:
         raise ValueError(f"u must be [T, d], got {tuple(u.shape)}")
     T = u.shape[0]
     if T == 0:
         raise ValueError("empty prefill")
+    ops = None
+    if backend == "triton" or (backend == "auto" and u.is_cuda):
+        ops = _use_triton(u.device)
+        if ops is None and backend == "triton":
+            raise RuntimeError("Triton SSD ops are unavailable")
+    if ops is not None and at:
+        return _prefill_segments(p, u, conv_state, ssm_state, at, backend)
     z0, s0 = _zeros_states(p, (), u.device, u.dtype)
     conv_state = z0 if conv_state is None else conv_state
     ssm_state = s0 if ssm_state is None else ssm_state
 
     z, xbc, dt_raw = _in_proj(p, u)
     xbc, window = _conv(p, xbc[None], conv_state[None])
-    new_conv = window[0, :, -(p.d_conv - 1):].to(conv_state.dtype).clone()
+    K1 = p.d_conv - 1
+    new_conv = window[0, :, -K1:].to(conv_state.dtype).clone()
+    conv_at = torch.stack([window[0, :, n:n + K1] for n in at]).to(conv_state.dtype) if at else None
     xbc = xbc[0]
 
-    ops = None
-    if backend == "triton" or (backend == "auto" and u.is_cuda):
-        ops = _use_triton(u.device)
-        if ops is None and backend == "triton":
-            raise RuntimeError("Triton SSD ops are unavailable")
-
+    ssm_at = None
     if ops is not None:
         xs, Bg, Cg = xbc.split([p.d_inner, p.n_groups * p.d_state, p.n_groups * p.d_state], dim=-1)
         y, final = ops.chunk_scan_combined(
-            xs.reshape(1, T, p.num_heads, p.head_dim),
-            dt_raw[None],
-            p.A,
-            Bg.reshape(1, T, p.n_groups, p.d_state),
-            Cg.reshape(1, T, p.n_groups, p.d_state),
-            p.chunk_size,
-            D=p.D,
-            z=None,
-            dt_bias=p.dt_bias,
-            initial_states=ssm_state[None].float(),
-            dt_softplus=True,
-            dt_limit=p.time_step_limit,
-            return_final_states=True,
+            xs.reshape(1, T, p.num_heads, p.head_dim), dt_raw[None], p.A,
+            Bg.reshape(1, T, p.n_groups, p.d_state), Cg.reshape(1, T, p.n_groups, p.d_state), p.chunk_size,
+            D=p.D, z=None, dt_bias=p.dt_bias, initial_states=ssm_state[None].float(), dt_softplus=True,
+            dt_limit=p.time_step_limit, return_final_states=True,
         )
         y = y[0].float()
         final = final[0].float()
     else:
         x, Bh, Ch = _split_xbc(p, xbc)
         chunk = min(p.chunk_size, T)  # a short prefill is one chunk of its own length, not padded to 128
-        y, final = _ssd_chunked(x, _dt(p, dt_raw), p.A, Bh, Ch, p.D, ssm_state, chunk)
+        y, final, ssm_at = _ssd_chunked(x, _dt(p, dt_raw), p.A, Bh, Ch, p.D, ssm_state, chunk, at)
 
     out = _gated_norm_out(p, y.reshape(T, p.d_inner), z, u.dtype)
-    return out, new_conv, final.contiguous()
+    return out, new_conv, final.contiguous(), conv_at, ssm_at
