@@ -75,7 +75,10 @@ class _Oracle:
     def __init__(self, engine: Engine, refs: dict[str, list[int]], seed: int) -> None:
         self.engine, self.refs, self.rng = engine, refs, random.Random(seed)
         self.kept: list[int] = []
-        engine.speculator._draft = self
+        spec = engine.speculator
+        spec._draft = self  # eager chains; static batches (CANTATA_STATIC_BATCHES=1) below, padding rows last
+        spec._draft_static = lambda plan: torch.cat([
+            self([r.seq for r in plan.rows], plan.k)[0], torch.zeros(plan.static.rows - len(plan.rows), plan.k, dtype=torch.int64)])
 
     def __call__(self, seqs, kmax: int):
         rows = []
