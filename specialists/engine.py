@@ -122,7 +122,7 @@ class Engine:
         opts = EngineOptions.from_keywords(options, **kw)
         model = load_model(path, device=opts.device, dtype=opts.dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        cfg = opts.resolve(model.config.max_position_embeddings)
+        cfg = opts.resolve(model.config.max_position_embeddings, model.config.hidden_size)
         drafter = None
         if opts.load_mtp and (policy is None or policy.mode != "off"):
             try:

@@ -56,7 +56,8 @@ class EngineOptions:
         base = base or cls()
         return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **kw})
 
-    def resolve(self, model_max_len: int | None = None) -> EngineConfig:
+    def resolve(self, model_max_len: int | None = None, hidden_size: int | None = None) -> EngineConfig:
+        """hidden_size: the model's width (picks the drafter's kernels when fused_drafter is None)."""
         dev = torch.device(self.device)
         graphs = dev.type == "cuda" and self.cuda_graphs is not False and os.environ.get("CANTATA_CUDA_GRAPHS", "1") != "0"
         static = graphs or bool(self.static_batches if self.static_batches is not None
@@ -75,7 +76,7 @@ class EngineOptions:
             ssm_snapshots=self.ssm_snapshots,
             max_num_batched_tokens=self.max_num_batched_tokens, check_invariants=self.check_invariants,
             draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
-            cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter),
+            cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
         )
 
@@ -111,12 +112,18 @@ def _decode_steps(asked: int | None, graphs: bool, block_size: int) -> int:
     return steps
 
 
-def _fused_default(device: torch.device, fused: bool | None) -> bool:
+FUSED_MAX_HIDDEN = 512  # the fused drafter's kernels beat cuBLAS's products only at small widths
+
+
+def _fused_default(device: torch.device, fused: bool | None, hidden_size: int | None = None) -> bool:
     """True asks for the fused kernels (CPU tensors need TRITON_INTERPRET=1); None: on CUDA where
-    Triton imports."""
+    Triton imports, for models at most FUSED_MAX_HIDDEN wide. They fuse a drafter layer of the toys
+    (d 256) into 8 kernels; at real widths their products are 1.5-4x slower than cuBLAS's (H100, bf16,
+    bench/results/fused_tune.jsonl: d 2048, down [2048 x 8192] at 4 rows 72 us against 23 us), and
+    the drafter's chain cost 1.8 ms a step at the Llama-3.2-1B shape."""
     if fused is not None:
         return fused
-    if device.type != "cuda":
+    if device.type != "cuda" or (hidden_size is not None and hidden_size > FUSED_MAX_HIDDEN):
         return False
     try:
         import triton  # noqa: F401
