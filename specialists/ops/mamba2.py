@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specialists.ops.linear import linear
+from specialists.ops.mamba2_boundaries import states_at
 
 __all__ = [
     "Mamba2Params",
@@ -237,13 +238,13 @@ def _zeros_states(p: Mamba2Params, batch: tuple[int, ...], device, dtype):
 
 def _ssd_chunked(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bh: torch.Tensor, Ch: torch.Tensor,
-    D: torch.Tensor, init: torch.Tensor, chunk: int, at: Sequence[int] = (),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    D: torch.Tensor, init: torch.Tensor, chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan of one sequence, fp32.
 
     x [T, H, P], dt [T, H], A [H], Bh/Ch [T, H, N], D [H], init [H, P, N] -> (y [T, H, P], final
-    state [H, P, N], the states after the first n tokens for each n in `at` [len(at), H, P, N] or
-    None). Zero-padding to whole chunks is exact: a padded token has dt = 0 (no decay, no input)."""
+    state [H, P, N]). Zero-padding to whole chunks is exact: a padded token has dt = 0 (no decay,
+    no input)."""
     T, H, P = x.shape
     N = Bh.shape[-1]
     pad = (-T) % chunk
@@ -276,13 +277,7 @@ def _ssd_chunked(
     # 4. the chunk start state seen from each position: y_l += exp(cum_l) C_l . start
     y = y + torch.einsum("clhn,chpn->clhp", Cc, starts[:-1]) * torch.exp(cum).permute(0, 2, 1)[..., None]
     y = y.reshape(nc * chunk, H, P)[:T] + D.float()[:, None] * x[:T]
-    states_at = None
-    if at:  # state after n tokens: its chunk's start state decayed to it, plus the chunk's inputs up to it
-        n = torch.as_tensor(list(at), device=x.device) - 1
-        c, l = n // chunk, n % chunk
-        added = torch.einsum("khs,kshn,kshp->khpn", decay[c, :, l, :], Bc[c], xdt[c])  # [len(at), H, P, N]
-        states_at = torch.exp(cum[c, :, l])[..., None, None] * starts[c] + added
-    return y, final, states_at
+    return y, final
 
 
 def _use_triton(device: torch.device):
@@ -321,30 +316,12 @@ def mamba2_prefill_at(
     """mamba2_prefill that also returns the states after the first n tokens of u, for each n in `at`
     (increasing, 1 <= n <= T): (y, conv_state, ssm_state, conv_at [len(at), conv_dim, K-1], ssm_at
     [len(at), H, P, N] fp32). The prefix cache snapshots a hybrid's state at block boundaries with it
-    (state/ssm_snapshots.py). On the torch path they come out of the same chunked scan; on Triton the
-    prefill runs as segments cut at `at` (the kernel returns final states only)."""
+    (state/ssm_snapshots.py); specialists/ops/mamba2_boundaries.py computes them from the prefill's
+    inputs, beside the scan (torch or Triton)."""
     at = [int(n) for n in at]
     if not at or at != sorted(set(at)) or at[0] < 1 or at[-1] > u.shape[0]:
         raise ValueError(f"at must be increasing token counts in [1, {u.shape[0]}], got {at}")
     return _prefill(p, u, conv_state, ssm_state, at, backend)
-
-
-def _prefill_segments(
-    p: Mamba2Params, u: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
-    at: Sequence[int], backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mamba2_prefill_at by one prefill per segment between the counts in `at` (u [T, d])."""
-    ys, convs, ssms = [], [], []
-    start = 0
-    for end in sorted({*at, u.shape[0]}):
-        if end > start:
-            y, conv_state, ssm_state = _prefill(p, u[start:end], conv_state, ssm_state, (), backend)[:3]
-            ys.append(y)
-        if end in at:
-            convs.append(conv_state)
-            ssms.append(ssm_state)
-        start = end
-    return torch.cat(ys), conv_state, ssm_state, torch.stack(convs), torch.stack(ssms)
 
 
 def _prefill(
@@ -361,8 +338,6 @@ def _prefill(
         ops = _use_triton(u.device)
         if ops is None and backend == "triton":
             raise RuntimeError("Triton SSD ops are unavailable")
-    if ops is not None and at:
-        return _prefill_segments(p, u, conv_state, ssm_state, at, backend)
     z0, s0 = _zeros_states(p, (), u.device, u.dtype)
     conv_state = z0 if conv_state is None else conv_state
     ssm_state = s0 if ssm_state is None else ssm_state
@@ -385,10 +360,14 @@ def _prefill(
         )
         y = y[0].float()
         final = final[0].float()
-    else:
+    if ops is None or at:
         x, Bh, Ch = _split_xbc(p, xbc)
+        dt = _dt(p, dt_raw)
+    if ops is None:
         chunk = min(p.chunk_size, T)  # a short prefill is one chunk of its own length, not padded to 128
-        y, final, ssm_at = _ssd_chunked(x, _dt(p, dt_raw), p.A, Bh, Ch, p.D, ssm_state, chunk, at)
+        y, final = _ssd_chunked(x, dt, p.A, Bh, Ch, p.D, ssm_state, chunk)
+    if at:
+        ssm_at = states_at(x * dt[..., None], dt * p.A, Bh, ssm_state, at)
 
     out = _gated_norm_out(p, y.reshape(T, p.d_inner), z, u.dtype)
     return out, new_conv, final.contiguous(), conv_at, ssm_at
