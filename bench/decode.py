@@ -3,6 +3,7 @@
   python -m bench.decode --model DIR --prompts FILE.jsonl [--batch-size B] [--max-new-tokens N]
                          [--device cpu|cuda] [--limit N] [--dtype float32|bfloat16] [--results FILE]
                          [--spec-k K [--acceptance greedy|rejection|typical]] [--skip-hf] [--bound]
+                         [--prompt-tokens N] [--prefix-ttft]
   python -m bench.decode --shape llama-1b|llama-3b|bamba-1b|smollm2-135m [--shape-dir DIR] [--profile FILE] ...
 
 --shape NAME builds random weights of a named shape on the device (bench/shapes.py; no download, the
@@ -26,6 +27,12 @@ With --spec-k K the same prompts also go through the engine with MTP speculation
 policy mode "on"), timed in the same run: spec_tok_s, speedup (over the engine without speculation),
 identical_spec (greedy tokens equal to the non-speculative run's), mean_accepted (drafts kept per
 step) and acceptance_by_position (a_j: fraction of depth-j drafts kept when drafted).
+
+prefix_hit_tokens (and spec_prefix_hit_tokens) count the prompt tokens the timed run took from the
+prefix cache. With prompts that share a long head (bench/data/cpp/shared_prefix.jsonl: one system
+prompt and tool list, different questions; use --prompt-tokens 512 so that the head is not cut off),
+--prefix-ttft adds the time to first token of the first request against the later ones, and against
+the same requests without the prefix cache (bench/prefix_ttft.py; the speculative engine's with --spec-k).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from bench import prefix_ttft
 from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
 from bench.decode_shape import add_arguments, bound_figures, prepare_shape, shape_names
 
@@ -123,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="stop a draft chain below this drafter probability (default: the engine's, off)")
     parser.add_argument("--decode-steps", type=int, default=None,
                         help="greedy decodes per static step of the plain engine (default: 4 with CUDA graphs, else 1)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="keep each prompt's last N tokens")
+    parser.add_argument("--prefix-ttft", action="store_true",
+                        help="TTFT of the first request against later ones sharing its prefix (bench/prefix_ttft.py)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     add_arguments(parser)
     return parser
@@ -191,7 +202,7 @@ def _load(args: argparse.Namespace) -> Sides:
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     rows = read_jsonl(args.prompts, args.limit)
-    prompts = [ids[-PROMPT_TOKENS:] for r in rows if (ids := tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])]
+    prompts = [ids[-args.prompt_tokens:] for r in rows if (ids := tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])]
     if not prompts:
         raise UsageError(f"no non-empty prompts in {args.prompts}")
     return prompts
@@ -238,10 +249,13 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
              num_prompts: int) -> tuple[dict, float, float, int]:
     """The result line's figures; also the engine's and transformers' seconds and the prefix hits."""
     hits_before = sides.engine.stats.get("prefix_hit_tokens", 0)
+    spec_hits_before = sides.spec_engine.stats.get("prefix_hit_tokens", 0) if sides.spec_engine is not None else 0
     ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k)
     lens = iter(len(o) for o in ours)  # the longest output of each batch: the decode steps one sequence waited
     args.token_steps = sum(max(next(lens) for _ in batch) for batch in batches)
     prefix_hits = sides.engine.stats.get("prefix_hit_tokens", 0) - hits_before
+    if sides.spec_engine is not None:
+        args.spec_prefix_hits = sides.spec_engine.stats.get("prefix_hit_tokens", 0) - spec_hits_before
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
               "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
@@ -263,7 +277,9 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
             identical_spec=round(sum(int(a == b) for a, b in zip(ours, spec)) / num_prompts, 4),
             mean_accepted=round(tot.mean_accepted, 4),
             acceptance_by_position=[round(x, 4) for x in tot.acceptance_by_position],
+            spec_prefix_hit_tokens=args.spec_prefix_hits,
         )
+    result["prefix_hit_tokens"] = prefix_hits
     return result, t_engine, t_hf, prefix_hits
 
 
@@ -285,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     result, t_engine, t_hf, prefix_hits = _measure(sides, batches, args, len(prompts))
     if args.shape or args.bound or args.profile is not None:
         result.update(bound_figures(sides, batches, args, t_engine, args.token_steps))
+    if args.prefix_ttft:
+        result.update(prefix_ttft.measure(prefix_ttft.loader(args, DTYPES[args.dtype]), prompts, sides.n))
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n,

@@ -31,7 +31,9 @@ def test_result_line(tmp_path: Path, capsys) -> None:
     assert rc == 0
     result, out = last_json(capsys)
     assert "loaded checkpoint" in out and "model.safetensors" in out  # lesson 1: say which weights ran
-    assert set(result) == {"model", "device", "batch_size", "engine_tok_s", "hf_tok_s", "ratio", "identical"}
+    assert set(result) == {"model", "device", "batch_size", "engine_tok_s", "hf_tok_s", "ratio", "identical",
+                           "prefix_hit_tokens"}
+    assert result["prefix_hit_tokens"] == 0
     assert result["model"] == str(BUILD) and result["device"] == "cpu" and result["batch_size"] == 2
     for key in ("engine_tok_s", "hf_tok_s", "ratio", "identical"):
         assert isinstance(result[key], float), (key, result[key])

@@ -256,3 +256,15 @@ def test_zero_snapshots_turns_the_hybrid_prefix_cache_off(ckpt: Path) -> None:
     assert engine.snapshots is None and not engine.kv.cfg.enable_prefix_cache
     engine.generate(_prompts()[:4], _params())
     assert engine.stats["prefix_hit_tokens"] == 0
+
+
+def test_bench_prefix_ttft_counts_hits_and_keeps_tokens(ckpt: Path) -> None:
+    """bench.decode --prefix-ttft's figures on prompts sharing a 40-token head: the first request hits
+    nothing, the later ones the head's two full blocks, with the same tokens as without the cache."""
+    from bench import prefix_ttft
+
+    prompts = _prompts()[0:12:2]  # the ones sharing the head
+    res = prefix_ttft.measure(lambda cache: _engine(ckpt, spec=True, prefix=cache, max_num_seqs=1), prompts, 8, rounds=1)
+    assert res["prefix_hit_tokens_first"] == 0 and res["prefix_hit_tokens_later"] >= 32
+    assert res["identical_prefix_cache"] == 1.0
+    assert res["ttft_first_ms"] > 0 and res["ttft_later_ms"] > 0 and res["ttft_later_speedup"] > 0
