@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from state.transfer import device_ints
+
 __all__ = ["states_at"]
 
 
@@ -22,12 +24,14 @@ def states_at(xdt: torch.Tensor, a: torch.Tensor, Bh: torch.Tensor, init: torch.
               at: Sequence[int]) -> torch.Tensor:
     """xdt [T, H, P] (dt * x), a [T, H] (dt * A, log-decays), Bh [T, H, N], init [H, P, N] fp32,
     at: increasing counts in [1, T] -> [len(at), H, P, N] fp32, the state after each count."""
-    ends = torch.as_tensor(list(at), device=xdt.device)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    width = int((ends - starts).max())
-    pos = ends[:, None] - width + torch.arange(width, device=xdt.device)  # [k, width]: each segment, front-padded
-    valid = (pos >= starts[:, None]).to(xdt.dtype)  # [k, width]
-    pos = pos.clamp(min=0)
+    ends = [int(n) for n in at]
+    starts = [0, *ends[:-1]]
+    width = max(e - s for s, e in zip(starts, ends))
+    # [k, width]: each segment's token positions, front-padded (host lists: no device sync)
+    rows = [[max(e - width + t, 0) for t in range(width)] for e in ends]
+    mask = [[float(e - width + t >= s) for t in range(width)] for s, e in zip(starts, ends)]
+    pos = device_ints(rows, xdt.device)
+    valid = device_ints(mask, xdt.device, xdt.dtype)
     a_seg = a[pos] * valid[..., None]  # [k, width, H]
     xdt_seg = xdt[pos] * valid[..., None, None]  # [k, width, H, P]
     total = a_seg.sum(1)  # [k, H]
