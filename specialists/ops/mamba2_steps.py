@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, segsum
+from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _use_triton, segsum
 
 __all__ = ["mamba2_multi_step", "mamba2_verify", "StateFactors"]
 
@@ -54,8 +54,11 @@ def mamba2_multi_step(
     u: torch.Tensor,
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q new tokens for each of B sequences.
+    """q new tokens for each of B sequences. backend "auto": a plain decode (q = 1) on CUDA runs
+    mamba-ssm's selective_state_update (decay, input and output in one Triton kernel) when it loads;
+    "torch": the reference below.
 
     u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32 ->
     (y [B, q, d], conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N] fp32), where
@@ -68,6 +71,9 @@ def mamba2_multi_step(
     """
     st = _step_inputs(p, u, conv_state)
     Bsz, q = u.shape[:2]
+    ssu = _use_triton(u.device) if q == 1 and backend == "auto" else None
+    if ssu is not None:
+        return _decode_fused(p, st, ssm_state, ssu.selective_state_update, u.dtype)
     if q == 1:  # plain decode: state = exp(dt A) state + dt x (outer) B, no segment sums
         decay1 = torch.exp(st.dt[:, 0] * p.A)[..., None, None]  # [B, H, 1, 1]
         states = torch.addcmul(decay1 * ssm_state.float(), st.xdt[:, 0, :, :, None], st.Bh[:, 0, :, None, :])[:, None]  # [B, 1, H, P, N]
@@ -80,6 +86,17 @@ def mamba2_multi_step(
     y = (states @ st.Ch[..., :, None])[..., 0] + p.D.float()[:, None] * st.x
     out = _gated_norm_out(p, y.reshape(Bsz, q, p.d_inner), st.z, u.dtype)
     return out, st.conv_states, states
+
+
+def _decode_fused(p: Mamba2Params, st: _Step, ssm_state: torch.Tensor, update, dtype: torch.dtype):
+    """One token per sequence through mamba-ssm's kernel, on a copy of the state (the cache is only
+    written at commit): the same math as the torch decode (dt already softplus'd and clamped)."""
+    Bsz, H, P, N = ssm_state.shape
+    state = ssm_state.float().clone()  # [B, H, P, N], updated in place by the kernel
+    y = update(state, st.x[:, 0], st.dt[:, 0, :, None].expand(Bsz, H, P), p.A.float()[:, None, None].expand(H, P, N),
+               st.Bh[:, 0], st.Ch[:, 0], D=p.D.float()[:, None].expand(H, P))  # [B, H, P] fp32
+    out = _gated_norm_out(p, y.reshape(Bsz, 1, p.d_inner), st.z, dtype)
+    return out, st.conv_states, state[:, None]
 
 
 @dataclass
