@@ -31,7 +31,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] -> weight * x / rms(x), computed in fp32 and cast back before the weight
     (as transformers does). In fp32 that is torch's fused rms_norm: one kernel instead of six."""
     dtype = x.dtype
-    if dtype == torch.float32 and weight.dtype == torch.float32:
+    if (dtype == torch.float32 and weight.dtype == torch.float32) or x.is_cuda:
+        # on CUDA one fused kernel for any dtype (fp32 math, the weight applied before the cast back:
+        # a last-bit difference from transformers' cast-then-multiply in bf16, for 7 kernels fewer)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
