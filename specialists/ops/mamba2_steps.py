@@ -93,8 +93,10 @@ def _decode_fused(p: Mamba2Params, st: _Step, ssm_state: torch.Tensor, update, d
     written at commit): the same math as the torch decode (dt already softplus'd and clamped)."""
     Bsz, H, P, N = ssm_state.shape
     state = ssm_state.float().clone()  # [B, H, P, N], updated in place by the kernel
+    zero_bias = st.dt.new_zeros(1, 1).expand(H, P)  # dt is final already; stride-0 dt / A / bias: one dt per head
     y = update(state, st.x[:, 0], st.dt[:, 0, :, None].expand(Bsz, H, P), p.A.float()[:, None, None].expand(H, P, N),
-               st.Bh[:, 0], st.Ch[:, 0], D=p.D.float()[:, None].expand(H, P))  # [B, H, P] fp32
+               st.Bh[:, 0], st.Ch[:, 0], D=p.D.float()[:, None].expand(H, P), dt_bias=zero_bias,
+               dt_softplus=False)  # [B, H, P] fp32
     out = _gated_norm_out(p, y.reshape(Bsz, 1, p.d_inner), st.z, dtype)
     return out, st.conv_states, state[:, None]
 
