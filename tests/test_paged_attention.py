@@ -108,3 +108,36 @@ def test_batch_metadata() -> None:
     assert (b.max_query_len, b.max_context_len) == (4, 7)
 
 
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+def test_static_kernel_matches_dense(q_len: int, hq: int, hkv: int) -> None:
+    """The CUDA backend's kernel for static half-precision batches (attention_cuda.py; on CPU through
+    Triton's interpreter) over a padded-width static batch, the pool full of NaN garbage elsewhere:
+    each row's tokens equal dense causal attention, and a wider static width gives the same bits."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    from specialists.ops.attention_cuda import paged_attention_static, use_static_kernel
+
+    steps, seqs, k_pool, v_pool = _case(7, 16, hq, hkv, [q_len] * 3, float("nan"))
+    batch = ForwardBatch.build(steps, 16)
+    q = torch.cat([s[0] for s in seqs])
+    write_kv(torch.cat([k[old:] for _, k, _, old in seqs]), torch.cat([v[old:] for _, _, v, old in seqs]),
+             k_pool, v_pool, batch.slot_mapping)
+    width = 64 * (1 + max(int(c) for c in batch.context_lens) // 64)
+    batch.block_tables = torch.nn.functional.pad(batch.block_tables.long(), (0, width // 16 - batch.block_tables.shape[1]))
+    batch.static, batch.max_context_len = True, width
+    half = q.to(torch.bfloat16)
+    assert use_static_kernel(half, batch) and not use_static_kernel(q, batch)
+    out = paged_attention_static(half, k_pool.to(torch.bfloat16), v_pool.to(torch.bfloat16), batch).float()
+    qsl = batch.query_start_loc.tolist()
+    for b, (qq, k, v, old) in enumerate(seqs):
+        ref = _dense_reference(qq.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), old)
+        torch.testing.assert_close(out[qsl[b]:qsl[b + 1]], ref, atol=1e-2, rtol=1e-2)
+    batch.max_context_len = 2 * width  # a wider static batch: the same keys, the same sums
+    wide = paged_attention_static(half, k_pool.to(torch.bfloat16), v_pool.to(torch.bfloat16), batch).float()
+    assert torch.equal(wide, out)

@@ -7,8 +7,8 @@ The torch reference gathers each sequence's context through its block table into
 tokens. Context slots past a sequence's length (the rest of its last block, the table padding) are
 zeroed after the gather (on CPU row by row, on CUDA and in a static batch by one mask), so whatever the pool holds there (stale tails, other
 sequences' blocks, NaN) never reaches a result. Backends are picked per device at call time:
-`_BACKENDS` is the place for a Triton / flash-attn paged kernel on CUDA; today CUDA uses the torch
-path too.
+on CUDA, static half-precision batches (decode and verify graphs) read the pool directly through a
+Triton kernel (attention_cuda.py); everything else takes the torch path.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
+from specialists.ops.attention_cuda import paged_attention_static, use_static_kernel
 
 __all__ = ["write_kv", "paged_attention", "paged_attention_torch", "grouped_attention", "workspace"]
 
@@ -178,10 +179,18 @@ def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch
     return cache[key]
 
 
-# device type -> implementation; a CUDA kernel (Triton / flash-attn with block tables) goes here.
+def _paged_attention_cuda(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
+                          batch: ForwardBatch, scale: float | None = None) -> torch.Tensor:
+    """Static half-precision batches through the Triton kernel (attention_cuda.py), the rest in torch."""
+    if use_static_kernel(q, batch):
+        return paged_attention_static(q, k_cache_layer, v_cache_layer, batch, scale)
+    return paged_attention_torch(q, k_cache_layer, v_cache_layer, batch, scale)
+
+
+# device type -> implementation
 _BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
     "cpu": paged_attention_torch,
-    "cuda": paged_attention_torch,
+    "cuda": _paged_attention_cuda,
 }
 
 
