@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
 from specialists.ops.attention import paged_attention, write_kv
+from specialists.ops.attention_cuda import HALF
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import linear
 
@@ -138,11 +139,17 @@ def attention_block(
     batch: ForwardBatch,
 ) -> torch.Tensor:  # [T, d]
     T = x.shape[0]
-    qk, v = linear(x, w.qkv, w.qkv_bias).split([w.split[0] + w.split[1], w.split[2]], dim=-1)
-    qk = Rope.apply(qk.view(T, w.num_heads + w.num_kv_heads, w.head_dim), cos, sin)  # q and k heads rotated at once
-    q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
-    v = v.view(T, w.num_kv_heads, w.head_dim)
-    write_kv(k, v, k_cache_layer, v_cache_layer, batch.slot_mapping)
+    qkv = linear(x, w.qkv, w.qkv_bias)
+    if x.is_cuda and x.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
+        from specialists.ops.rope_kv import rope_write_kv  # Triton: a GPU install has it
+
+        q = rope_write_kv(qkv, cos, sin, k_cache_layer, v_cache_layer, batch.slot_mapping, w.num_heads,
+                          w.num_kv_heads, w.head_dim)
+    else:
+        qk, v = qkv.split([w.split[0] + w.split[1], w.split[2]], dim=-1)
+        qk = Rope.apply(qk.view(T, w.num_heads + w.num_kv_heads, w.head_dim), cos, sin)  # q and k heads rotated at once
+        q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
+        write_kv(k, v.view(T, w.num_kv_heads, w.head_dim), k_cache_layer, v_cache_layer, batch.slot_mapping)
     o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
     return linear(o.reshape(T, w.num_heads * w.head_dim), w.o_proj, w.o_bias)
 
