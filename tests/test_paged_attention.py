@@ -121,7 +121,8 @@ def test_static_kernel_matches_dense(q_len: int, hq: int, hkv: int) -> None:
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-    from specialists.ops.attention_cuda import paged_attention_static, use_static_kernel
+    from specialists.ops.attention import use_static_kernel
+    from specialists.ops.attention_cuda import paged_attention_static
 
     steps, seqs, k_pool, v_pool = _case(7, 16, hq, hkv, [q_len] * 3, float("nan"))
     batch = ForwardBatch.build(steps, 16)

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
-from specialists.ops.attention import paged_attention, write_kv
-from specialists.ops.attention_cuda import HALF
+from specialists.ops.attention import HALF, paged_attention, write_kv
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import linear
 

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
-from specialists.ops.attention_cuda import paged_attention_static, use_static_kernel
 
 __all__ = ["write_kv", "paged_attention", "paged_attention_torch", "grouped_attention", "workspace"]
 
@@ -179,10 +178,21 @@ def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch
     return cache[key]
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+def use_static_kernel(q: torch.Tensor, batch: ForwardBatch) -> bool:
+    """Whether a call takes attention_cuda.py's kernels: a static batch in half precision (on CUDA,
+    or on CPU tensors under TRITON_INTERPRET=1 in tests)."""
+    return batch.static and q.dtype in HALF
+
+
 def _paged_attention_cuda(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
                           batch: ForwardBatch, scale: float | None = None) -> torch.Tensor:
     """Static half-precision batches through the Triton kernel (attention_cuda.py), the rest in torch."""
     if use_static_kernel(q, batch):
+        from specialists.ops.attention_cuda import paged_attention_static  # Triton: a GPU install has it
+
         return paged_attention_static(q, k_cache_layer, v_cache_layer, batch, scale)
     return paged_attention_torch(q, k_cache_layer, v_cache_layer, batch, scale)
 
