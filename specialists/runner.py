@@ -117,7 +117,9 @@ class Runner:
         self.static = cfg.static_batches  # padded decode / verify batches of one shape run static (graphs)
         # block tables wide enough for max_model_len (+ a verify's lookahead): static batches use the full width
         blocks = -(-cfg.max_model_len // kv.block_size) + 2
-        self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * cfg.max_num_seqs),
+        # room for the largest step the scheduler forms: a bigger prefill would reallocate the buffers
+        # and drop every captured graph (recaptured on the request path: ~30 ms a step at 1B, batch 8)
+        self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len),
                                    max_seqs=max(16, bucket_size(cfg.max_num_seqs)), max_blocks=max(64, blocks))
         self.graphs = GraphCache(cfg.cuda_graphs)
         self._generation = self.inputs.generation

@@ -96,3 +96,15 @@ def test_hybrids_and_sampled_requests_decode_one_token_per_step() -> None:
 def test_decode_steps_is_bounded_by_the_block_size(bad: int) -> None:
     with pytest.raises(OptionsError, match="decode_steps"):
         EngineOptions(decode_steps=bad, block_size=16).resolve()
+
+
+def test_a_large_prefill_keeps_the_static_buffers_and_graphs() -> None:
+    """The static buffers hold the largest step the scheduler forms: 4 prompts of ~80 tokens in one
+    prefill step (more than the old 256-token start) do not reallocate them, which would drop every
+    captured graph and recapture them on the request path."""
+    engine = _engine("shell", 4)
+    generation = engine.runner.inputs.generation
+    prompts = [p * 4 for p in _prompts(engine, "shell", 4)]  # ~320 tokens each, ~1280 in the first step
+    _generate(engine, prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * 4)
+    assert sum(len(p) for p in prompts) > 1000
+    assert engine.runner.inputs.generation == generation
