@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
+from bench.common import checkpoint_id, device_name, git_commit, prompt_text, read_jsonl, record
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 
 log = logging.getLogger("bench.acceptance")
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--results", type=Path, default=None, help="append the result as a JSONL row here")
+    parser.add_argument("--chat", action="store_true",
+                        help="render each row's prompt (a user message) or messages through the checkpoint's chat "
+                             "template with the generation prompt (what the server feeds a chat model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if not (args.model / "model.safetensors").is_file():
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     correct = total = 0
     started = time.perf_counter()
     for row in tqdm(rows, desc="acceptance", unit="prompt", file=sys.stderr):
-        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"][-(model.config.max_position_embeddings // 2) :]
+        text = prompt_text(row, tokenizer, args.chat)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"][-(model.config.max_position_embeddings // 2) :]
         ids = torch.tensor(prompt_ids, device=args.device)
         out = model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=args.max_new_tokens + args.k,
                              do_sample=False, eos_token_id=stop, pad_token_id=stop[0])[0]
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if last >= first:
             hits.append(chain_hits(model, drafter, out, first, last, args.k).cpu())
         if row.get("reference"):
-            c, n = next_token_accuracy(model, tokenizer, row["prompt"], row["reference"], args.device)
+            c, n = next_token_accuracy(model, tokenizer, text, row["reference"], args.device)
             correct, total = correct + c, total + n
     all_hits = torch.cat(hits) if hits else torch.zeros(0, args.k, dtype=torch.bool)
     prefix_ok = all_hits.long().cumprod(dim=1).float()
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_accepted": round(sum(by_depth), 4),
     }
     log.info("%d positions in %.1f s on %s", len(all_hits), time.perf_counter() - started, device_name(args.device))
-    record(args.results, {"bench": "acceptance", **result, "k": args.k, "positions": len(all_hits), "max_new_tokens": args.max_new_tokens,
+    record(args.results, {"bench": "acceptance", **result, "k": args.k, "positions": len(all_hits), "max_new_tokens": args.max_new_tokens, "chat": args.chat,
                           "checkpoint": ident, "device": device_name(args.device), "commit": git_commit()})
     print(json.dumps(result))
     return 0

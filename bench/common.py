@@ -11,7 +11,27 @@ import torch
 
 from specialists.provenance import git_commit
 
-__all__ = ["checkpoint_id", "device_name", "git_commit", "read_jsonl", "record"]
+__all__ = ["checkpoint_id", "device_name", "git_commit", "prompt_text", "read_jsonl", "record"]
+
+
+class PromptRowError(ValueError):
+    """A prompts row without what the mode needs (`prompt`, or with --chat `prompt` or `messages`)."""
+
+
+def prompt_text(row: dict, tokenizer, chat: bool) -> str:
+    """A prompts row as the text the model is fed: its `prompt` as is, or with `chat` the row's
+    `messages` (or `prompt` as one user message) rendered through the checkpoint's own chat template
+    with the generation prompt: what the server feeds a chat model."""
+    if not chat:
+        if "prompt" not in row:
+            raise PromptRowError(f"a row without 'prompt' (keys {sorted(row)}); chat rows need --chat")
+        return row["prompt"]
+    messages = row.get("messages") or ([{"role": "user", "content": row["prompt"]}] if "prompt" in row else None)
+    if not messages:
+        raise PromptRowError(f"a row with neither 'messages' nor 'prompt' (keys {sorted(row)})")
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptRowError("--chat: the checkpoint's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, tools=row.get("tools"), add_generation_prompt=True, tokenize=False)
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:

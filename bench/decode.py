@@ -51,7 +51,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from bench import prefix_ttft
-from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
+from bench.common import checkpoint_id, device_name, git_commit, prompt_text, read_jsonl, record
 from bench.decode_shape import add_arguments, bound_figures, prepare_shape, shape_names
 
 log = logging.getLogger("bench.decode")
@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="draft over the first N tokens of the drafter's vocabulary file (0: all tokens)")
     parser.add_argument("--draft-min-confidence", type=float, default=None,
                         help="stop a draft chain below this drafter probability (default: the engine's, off)")
+    parser.add_argument("--chat", action="store_true",
+                        help="render each row's prompt (a user message) or messages through the checkpoint's chat "
+                             "template with the generation prompt, kept whole (what the server feeds a chat model)")
     parser.add_argument("--decode-steps", type=int, default=None,
                         help="greedy decodes per static step of the plain engine (default: 4 with CUDA graphs, else 1)")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="keep each prompt's last N tokens")
@@ -202,7 +205,12 @@ def _load(args: argparse.Namespace) -> Sides:
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     rows = read_jsonl(args.prompts, args.limit)
-    prompts = [ids[-args.prompt_tokens:] for r in rows if (ids := tokenizer(r["prompt"], add_special_tokens=False)["input_ids"])]
+    cut = None if args.chat else -args.prompt_tokens  # a rendered chat is kept whole: its head is the template's
+    try:
+        texts = [prompt_text(r, tokenizer, args.chat) for r in rows]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    prompts = [ids[cut:] if cut else ids for t in texts if (ids := tokenizer(t, add_special_tokens=False)["input_ids"])]
     if not prompts:
         raise UsageError(f"no non-empty prompts in {args.prompts}")
     return prompts
@@ -305,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(prefix_ttft.measure(prefix_ttft.loader(args, DTYPES[args.dtype]), prompts, sides.n))
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
-    record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n,
+    record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n, "chat": args.chat,
                           "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
                           "prefix_hit_tokens": prefix_hits, "checkpoint": ident,
                           "device_name": device_name(args.device), "commit": git_commit()})

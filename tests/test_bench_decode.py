@@ -84,3 +84,48 @@ def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
             shutil.copy2(f, bare / f.name)
     assert main(["--model", str(bare), "--prompts", str(PROMPTS), "--limit", "1", "--spec-k", "3", "--skip-hf"]) == 2
     assert "mtp.safetensors" in capsys.readouterr().err
+
+
+def test_chat_renders_rows_through_the_checkpoints_template(tmp_path: Path, capsys) -> None:
+    """--chat: a `prompt` row is one user message and a `messages` row a conversation, both rendered
+    with the checkpoint's chat template and the generation prompt (specialists.chat.render is the
+    same template's evaluation), kept whole; without --chat a messages-only row is refused clearly."""
+    from transformers import AutoTokenizer
+
+    from bench.common import PromptRowError, prompt_text
+    from specialists.chat import render
+
+    tok = AutoTokenizer.from_pretrained(str(BUILD))
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which flag makes cmake verbose?"}]
+    want = render(convo, add_generation_prompt=True)
+    assert prompt_text({"messages": convo}, tok, True) == want
+    assert want.endswith("<|im_start|>assistant\n")
+    assert prompt_text({"prompt": "hi"}, tok, True) == render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert prompt_text({"prompt": "raw text"}, tok, False) == "raw text"
+    with pytest.raises(PromptRowError, match="--chat"):
+        prompt_text({"messages": convo}, tok, False)
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": convo}) + "\n" + json.dumps({"prompt": "List the files here."}) + "\n")
+    results = tmp_path / "results.jsonl"
+    assert main(["--model", str(BUILD), "--prompts", str(rows), "--max-new-tokens", "6", "--chat", "--skip-hf",
+                 "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["chat"] is True and row["prompts"] == 2
+    assert row["prompt_tokens"] == sum(len(tok(prompt_text(json.loads(r), tok, True), add_special_tokens=False)["input_ids"])
+                                       for r in rows.read_text().splitlines())
+    assert main(["--model", str(BUILD), "--prompts", str(rows), "--max-new-tokens", "6", "--skip-hf"]) == 2
+    assert "--chat" in capsys.readouterr().err
+
+
+def test_acceptance_bench_takes_chat_rows(tmp_path: Path, capsys) -> None:
+    """bench.acceptance --chat measures on the rendered conversation (a messages-only row works)."""
+    from bench.acceptance import main as acceptance_main
+
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "Configure a cmake build in release mode."}]}) + "\n")
+    results = tmp_path / "acc.jsonl"
+    assert acceptance_main(["--model", str(BUILD), "--prompts", str(rows), "--k", "2", "--max-new-tokens", "12", "--chat",
+                            "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["chat"] is True and row["prompts"] == 1 and row["positions"] > 0
+    assert len(row["acceptance_by_depth"]) == 2
