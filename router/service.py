@@ -92,6 +92,13 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
+def speculation_ks(stats: Mapping[str, Any] | None) -> list[int]:
+    """The K values (drafts per step) a finished request verified, from the engine's stats ([] when
+    it never speculated)."""
+    ks = (stats or {}).get("ks") or []
+    return [int(k) for k in ks]
+
+
 def sse(data: Mapping[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -189,11 +196,15 @@ class ChatService:
         )
         return Prepared(req, decision, plan, gen, backend, rid, int(time.time()))
 
-    def headers(self, p: Prepared, speculation: str) -> dict[str, str]:
-        return {"x-cantata-specialist": p.decision.specialist,
-                "x-cantata-route-confidence": f"{p.decision.confidence:.4f}",
-                "x-cantata-route-reason": p.decision.reason,
-                "x-speculation": speculation}
+    def headers(self, p: Prepared, speculation: str, ks: list[int] | None = None) -> dict[str, str]:
+        """ks: the K values the request verified (known at the end: non-streaming answers only)."""
+        out = {"x-cantata-specialist": p.decision.specialist,
+               "x-cantata-route-confidence": f"{p.decision.confidence:.4f}",
+               "x-cantata-route-reason": p.decision.reason,
+               "x-speculation": speculation}
+        if ks is not None:
+            out["x-speculation-k"] = ",".join(str(k) for k in ks) or "0"
+        return out
 
     async def complete(self, req: ChatCompletionRequest, parent: otel_context.Context) -> Completed:
         """A non-streaming chat completion."""
@@ -214,7 +225,9 @@ class ChatService:
             if msg.get(key) is None:
                 msg.pop(key, None)
         body["speculation"] = end.speculation
-        return Completed(body, self.headers(p, end.speculation or "off"))
+        ks = speculation_ks(end.stats)
+        body["speculation_k"] = ks
+        return Completed(body, self.headers(p, end.speculation or "off", ks))
 
     async def open_stream(self, req: ChatCompletionRequest, parent: otel_context.Context) -> OpenedStream:
         """A streaming chat completion: the specialist has admitted the request when this returns
@@ -330,7 +343,7 @@ class ChatService:
             if end is None:
                 raise InternalError("the specialist ended without a result")
             finish = "tool_calls" if streamer.calls else ("length" if end.finish_reason == "length" else "stop")
-            extra: dict[str, Any] = {"speculation": end.speculation}
+            extra: dict[str, Any] = {"speculation": end.speculation, "speculation_k": speculation_ks(end.stats)}
             if streamer.errors:
                 extra["tool_call_errors"] = [e.model_dump() for e in streamer.errors]
             yield chunk(Delta(), finish, **extra)

@@ -16,6 +16,7 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)  # [j]: drafts kept at depth j+1
     rollbacks: int = 0  # steps that threw away at least one draft
     emitted: int = 0  # tokens emitted
+    ks: list[int] = field(default_factory=list)  # the distinct K (drafts per step) verified, ascending
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
@@ -39,6 +40,12 @@ class SpecStats:
             self.accepted_by_position[j] += 1
         if num_accepted < num_drafts:
             self.rollbacks += 1
+
+    def note_k(self, k: int) -> None:
+        """A step verified k drafts for this request (the policy's K, or fewer near its limits)."""
+        if k > 0 and k not in self.ks:
+            self.ks.append(k)
+            self.ks.sort()
 
     def add_times(self, draft_s: float, verify_s: float, commit_s: float) -> None:
         self.draft_s += draft_s

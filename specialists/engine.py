@@ -293,6 +293,7 @@ class Engine:
             drafted += k_room
             accepted += a
             seq.stats.record(k_room, a, n)
+            seq.stats.note_k(row.k)
             self.totals.record(k_room, a, n)
             if not row.prefill:
                 seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")

@@ -252,7 +252,7 @@ class GenerationTimeline:
 
 
 DECODE_ATTRIBUTES = ("drafted", "accepted", "mean_accepted_length", "acceptance_rate", "rollbacks", "steps",
-                     "spec_steps", "draft_s", "verify_s", "commit_s", "accepted_by_position")
+                     "spec_steps", "draft_s", "verify_s", "commit_s", "accepted_by_position", "ks")
 
 
 def _attr(value: Any) -> Any:

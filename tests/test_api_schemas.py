@@ -143,6 +143,7 @@ def test_headers_usage_and_sse_framing(client):
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
         assert len(finals) == 1 and finals[0]["speculation"] in ("on", "off", "fallback")
+        assert isinstance(finals[0]["speculation_k"], list) and (finals[0]["speculation"] != "off" or not finals[0]["speculation_k"])
         if include:
             assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
             assert all(c["usage"] is None for c in chunks[:-1])
@@ -206,6 +207,9 @@ def test_admin_put_flips_speculation_live(client, app_parts):
         assert specs["cpp"].engine.gate.policy.mode == mode
         chat = client.post("/v1/chat/completions", json={"model": "cpp", "messages": USER, "max_tokens": 8})
         assert chat.headers["x-speculation"] == mode
+        ks = chat.json()["speculation_k"]  # the K values the request verified (fewer drafts near max_tokens)
+        assert chat.headers["x-speculation-k"] == (",".join(map(str, ks)) or "0")
+        assert (max(ks) == 2) if mode == "on" else (ks == [])
     assert client.get("/admin/policies/cpp", headers=AUTH).json()["pid"] == pid
     assert_error(client.put("/admin/policies/cpp", json={"mode": "sometimes"}, headers=AUTH), 422, "invalid_policy", "mode")
     assert_error(client.put("/admin/policies/cpp", json={"turbo": True}, headers=AUTH), 422, "invalid_policy")

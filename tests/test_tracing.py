@@ -87,6 +87,8 @@ def test_one_trace_from_http_request_to_decode(traced):
         assert f"cantata.{key}" in decode, key
     assert decode["cantata.speculation"] == r.headers["x-speculation"] == "on"
     assert decode["cantata.drafted"] > 0 and 0 <= decode["cantata.accepted"] <= decode["cantata.drafted"]
+    assert list(decode["cantata.ks"]) == r.json()["speculation_k"] and r.headers["x-speculation-k"] == ",".join(
+        map(str, decode["cantata.ks"]))  # the K values the request verified, in the trace and the answer
     assert decode["cantata.completion_tokens"] == r.json()["usage"]["completion_tokens"]
     assert spans["prefill"].attributes["cantata.prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert spans["POST /v1/chat/completions"].attributes["http.response.status_code"] == 200
