@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="draft over the first N tokens of the drafter's vocabulary file (0: all tokens)")
     parser.add_argument("--draft-min-confidence", type=float, default=None,
                         help="stop a draft chain below this drafter probability (default: the engine's, off)")
+    parser.add_argument("--policy", choices=["on", "auto"], default="on",
+                        help="the speculative engine's mode: on (always draft) or auto (the gate decides per step, "
+                             "as a served specialist's default policy does)")
     parser.add_argument("--chat", action="store_true",
                         help="render each row's prompt (a user message) or messages through the checkpoint's chat "
                              "template with the generation prompt, kept whole (what the server feeds a chat model)")
@@ -187,7 +190,7 @@ def _load(args: argparse.Namespace) -> Sides:
     if args.spec_k is not None:
         if args.spec_k < 1:
             raise UsageError("--spec-k must be >= 1")
-        policy = SpeculationPolicy(mode="on", num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
+        policy = SpeculationPolicy(mode=args.policy, num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
         try:
             spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
                                                  max_num_seqs=args.batch_size, policy=policy,
@@ -279,7 +282,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
         spec_tok_s = sum(len(o) for o in spec) / t_spec if t_spec > 0 else 0.0
         tot = sides.spec_engine.totals
         result.update(
-            spec_k=args.spec_k, acceptance=args.acceptance,
+            spec_k=args.spec_k, acceptance=args.acceptance, policy=args.policy,
             spec_tok_s=round(spec_tok_s, 2),
             speedup=round(spec_tok_s / engine_tok_s, 4) if engine_tok_s > 0 else None,
             identical_spec=round(sum(int(a == b) for a, b in zip(ours, spec)) / num_prompts, 4),

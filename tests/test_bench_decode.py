@@ -72,7 +72,18 @@ def test_spec_result_line(tmp_path: Path, capsys) -> None:
     assert len(result["acceptance_by_position"]) == 3 and all(0 <= a <= 1 for a in result["acceptance_by_position"])
     assert result["mean_accepted"] > 0
     row = json.loads(results.read_text().splitlines()[-1])
-    assert row["spec_k"] == 3 and row["acceptance"] == "greedy"
+    assert row["spec_k"] == 3 and row["acceptance"] == "greedy" and row["policy"] == "on"
+
+
+def test_spec_engine_under_the_auto_policy(tmp_path: Path, capsys) -> None:
+    """--policy auto: the speculative engine runs under the gate (a large batch falls back to plain
+    steps there), still exact, and the row says which policy ran."""
+    results = tmp_path / "results.jsonl"
+    assert main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "3", "--max-new-tokens", "12",
+                 "--spec-k", "3", "--skip-hf", "--policy", "auto", "--results", str(results)]) == 0
+    result, _ = last_json(capsys)
+    assert result["policy"] == "auto" and result["identical_spec"] == 1.0
+    assert json.loads(results.read_text().splitlines()[-1])["policy"] == "auto"
 
 
 def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
