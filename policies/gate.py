@@ -94,6 +94,10 @@ class SecondsPerToken:
             self._steps.append((seconds, tokens))
 
     @property
+    def count(self) -> int:
+        return len(self._steps)
+
+    @property
     def value(self) -> float | None:
         tokens = sum(t for _, t in self._steps)
         return sum(s for s, _ in self._steps) / tokens if tokens else None
@@ -142,7 +146,7 @@ class SpeculationGate:
                 return self._status
             gating = self._policy.auto
             if self._status == "fallback":
-                if self._clock() - self._since < gating.cooldown_s:
+                if not self._fallback_over(gating, running_batch):
                     return "fallback"
                 self._window = RollingAcceptance(gating.window)
                 self._enter("on", "probe")
@@ -233,6 +237,14 @@ class SpeculationGate:
                 "acceptance": p.acceptance,
                 "measured_speedup": {b: round(v, 3) for b in self._spec_spt if (v := self._speedup(b)) is not None},
             }
+
+    def _fallback_over(self, gating: Any, running_batch: int) -> bool:  # under the lock
+        """A baseline fallback ends once baseline_steps plain steps of this batch's bucket were timed;
+        any other after cooldown_s."""
+        if self._reason == "baseline":
+            plain = self._plain_spt.get(_bucket(running_batch))
+            return plain is not None and plain.count >= gating.baseline_steps
+        return self._clock() - self._since >= gating.cooldown_s
 
     def _fall_back(self, reason: Reason) -> None:  # under the lock
         self._fallbacks += 1

@@ -38,8 +38,11 @@ class AutoGating(_Frozen):
     cooldown_s: float = Field(10.0, ge=0.0)  # seconds in fallback before probing again
     # > 0: also fall back when speculating emits tokens less than min_speedup times as fast as plain
     # decoding did (seconds per emitted token, per batch-size bucket; the plain figure is measured in
-    # fallback, and a first fallback ("baseline") is taken to measure it). 0: judge acceptance only.
-    min_speedup: float = Field(0.0, ge=0.0, le=10.0)
+    # fallback, and a first fallback ("baseline", baseline_steps plain steps of that bucket) is taken to
+    # measure it). 0: judge acceptance only. On by default: acceptance alone misses the batch sizes
+    # where speculation is slower while its drafts are still accepted.
+    min_speedup: float = Field(1.0, ge=0.0, le=10.0)
+    baseline_steps: int = Field(8, ge=1, le=10_000)  # plain steps that measure a bucket's baseline
 
 
 class SpeculationPolicy(_Frozen):

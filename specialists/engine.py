@@ -224,7 +224,9 @@ class Engine:
         t_step = time.perf_counter()
         status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
         policy = self.gate.policy
-        rebuild = self.drafter is not None and policy.mode != "off"
+        # a fallback step is a plain step: no drafter rebuild (its entries there stay stale; drafts after the
+        # resume are worse until the chain's window has moved past them, never wrong: verification decides)
+        rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         self._plan_drafts(policy.num_speculative_tokens if status == "on" else 0, multi)
         step = sched.schedule()

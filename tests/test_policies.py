@@ -317,23 +317,26 @@ def timed_steps(gate: SpeculationGate, steps: int, spec_s: float, plain_s: float
     return seen
 
 
-def test_time_gate_is_off_by_default_and_measures_a_baseline_first() -> None:
+def test_time_gate_is_on_by_default_and_measures_a_baseline_first() -> None:
     clock = Clock()
-    default = SpeculationGate(auto_policy(min_acceptance=0.1, window=6), clock)
-    assert timed_steps(default, 20, spec_s=1.0, plain_s=0.1) == ["on"] * 20  # acceptance only: stays on
-    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0), clock)
-    # high acceptance, no plain figure yet: once the window is full, fall back to measure one
+    acceptance_only = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=0.0), clock)
+    assert timed_steps(acceptance_only, 20, spec_s=1.0, plain_s=0.1) == ["on"] * 20  # stays on, however slow
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6), clock)  # the default: min_speedup 1.0
+    # high acceptance, no plain figure yet: once the window is full, fall back to measure one, for
+    # baseline_steps (8) plain steps of this bucket (not a cooldown: the clock does not move here)
     assert timed_steps(gate, 3, spec_s=0.25, plain_s=0.1) == ["on", "on", "fallback"]
     assert gate.snapshot()["reason"] == "baseline"
+    assert timed_steps(gate, 8, spec_s=0.25, plain_s=0.1) == ["fallback"] * 7 + ["on"]  # probes after 8 plain steps
+    assert gate.speedup(1) == pytest.approx(0.1 / (0.25 / 3))
 
 
 @pytest.mark.parametrize("spec_s,expect", [(0.25, "on"), (0.5, "fallback")])
 def test_time_gate_falls_back_only_where_speculation_loses(spec_s: float, expect: str) -> None:
     """plain: 0.1 s per token; speculative: 3 tokens per step, so 0.25 s a step wins (1.2x) and 0.5 s loses (0.6x)."""
     clock = Clock()
-    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, cooldown_s=10.0), clock)
-    timed_steps(gate, 3, spec_s=spec_s, plain_s=0.1)  # -> baseline fallback
-    timed_steps(gate, 5, spec_s=spec_s, plain_s=0.1)  # plain steps measured during the cooldown
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, cooldown_s=10.0, baseline_steps=6), clock)
+    timed_steps(gate, 3, spec_s=spec_s, plain_s=0.1)  # -> baseline fallback (its first plain step)
+    timed_steps(gate, 5, spec_s=spec_s, plain_s=0.1)  # the other 5 plain steps of the baseline
     clock.now += 10
     seen = timed_steps(gate, 6, spec_s=spec_s, plain_s=0.1)
     assert seen[0] == "on" and gate.status == expect
@@ -346,7 +349,7 @@ def test_time_gate_falls_back_only_where_speculation_loses(spec_s: float, expect
 def test_time_gate_compares_like_batch_sizes() -> None:
     """A plain figure measured at batch 1 says nothing about batch 8: a new bucket needs its own baseline."""
     clock = Clock()
-    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16), clock)
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16, baseline_steps=6), clock)
     timed_steps(gate, 3, spec_s=0.25, plain_s=0.1)
     timed_steps(gate, 5, spec_s=0.25, plain_s=0.1)
     clock.now += 10
