@@ -205,6 +205,12 @@ class SpeculationGate:
         return plain.value / spec.value
 
     @property
+    def reason(self) -> Reason:
+        """Why the gate is in its status (a fallback's cause: baseline, slow, large_batch, ...)."""
+        with self._lock:
+            return self._reason
+
+    @property
     def status(self) -> Status:
         with self._lock:
             return self._status

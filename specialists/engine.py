@@ -224,9 +224,10 @@ class Engine:
         t_step = time.perf_counter()
         status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
         policy = self.gate.policy
-        # a fallback step is a plain step: no drafter rebuild (its entries there stay stale; drafts after the
-        # resume are worse until the chain's window has moved past them, never wrong: verification decides)
-        rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"
+        # a fallback step is a plain step: no drafter rebuild (its entries there stay stale: drafts after the
+        # resume are worse, never wrong, verification decides), except while the gate measures a short
+        # baseline, after which it resumes speculating with the drafter up to date
+        rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or self.gate.reason == "baseline")
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         self._plan_drafts(policy.num_speculative_tokens if status == "on" else 0, multi)
         step = sched.schedule()
@@ -256,7 +257,10 @@ class Engine:
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
             if row.seq.status is Status.FINISHED:
                 self.speculator.forget(row.seq.seq_id)
-        if status != "off" and step.decodes and not step.prefills:  # decode-only steps: time per emitted token
+        drafted = any(row.k for row in rows)
+        if status != "off" and step.decodes and not step.prefills and (status != "on" or drafted):
+            # decode-only steps: time per emitted token (an "on" step where no row drafted, catching the
+            # drafter up after a fallback, is neither a speculative nor a plain figure)
             self.gate.observe_time(status, len(rows), time.perf_counter() - t_step, sum(kept))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         if self.cfg.check_invariants:

@@ -49,7 +49,8 @@ def test_defaults() -> None:
     p = SpeculationPolicy()
     assert (p.mode, p.num_speculative_tokens, p.acceptance) == ("auto", 3, "rejection")
     assert (p.typical.epsilon, p.typical.delta) == (0.09, 0.3)
-    assert (p.auto.min_acceptance, p.auto.window, p.auto.max_running_batch, p.auto.cooldown_s) == (0.3, 64, 8, 10.0)
+    assert (p.auto.min_acceptance, p.auto.window, p.auto.max_running_batch, p.auto.cooldown_s) == (0.1, 64, 8, 10.0)
+    assert (p.auto.min_speedup, p.auto.baseline_steps) == (1.0, 8)  # the time gate judges by default
 
 
 @pytest.mark.parametrize(
