@@ -263,7 +263,7 @@ class Speculator:
         n = 0
         for b, w in tqdm(self.runner.graph_shapes(max_rows), desc="CUDA graphs", unit="shape", disable=not progress):
             n += self.runner.capture(b, 1, w, post)
-            if post is None and self.runner.decode_steps > 1:  # specialists/multistep.py
+            if self.runner.decode_steps > 1:  # specialists/multistep.py: plain steps, and auto's fallback steps
                 n += self.runner.capture(b, 1, w, steps=self.runner.decode_steps)
             if k:
                 n += self.runner.capture(b, 1 + k, w, post)
