@@ -132,6 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=["on", "auto"], default="on",
                         help="the speculative engine's mode: on (always draft) or auto (the gate decides per step, "
                              "as a served specialist's default policy does)")
+    parser.add_argument("--k-choices", default=None, help="with --policy auto: other K values the gate may pick "
+                        "per batch-size bucket, e.g. 1,5 (auto.k_choices)")
     parser.add_argument("--chat", action="store_true",
                         help="render each row's prompt (a user message) or messages through the checkpoint's chat "
                              "template with the generation prompt, kept whole (what the server feeds a chat model)")
@@ -191,6 +193,8 @@ def _load(args: argparse.Namespace) -> Sides:
         if args.spec_k < 1:
             raise UsageError("--spec-k must be >= 1")
         policy = SpeculationPolicy(mode=args.policy, num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
+        if args.k_choices:
+            policy = policy.merged({"auto": {"k_choices": [int(k) for k in args.k_choices.split(",")]}})
         try:
             spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
                                                  max_num_seqs=args.batch_size, policy=policy,

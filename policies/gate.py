@@ -124,6 +124,8 @@ class SpeculationGate:
         self._accepted_total = 0
         self._spec_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> speculative seconds per token
         self._plain_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> plain seconds per token
+        self._k_spt: dict[tuple[int, int], SecondsPerToken] = {}  # (bucket, K) -> speculative seconds per token
+        self._k_steps: dict[int, int] = {}  # bucket -> steps that asked k_for
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -170,14 +172,35 @@ class SpeculationGate:
             if rate is not None and rate < self._policy.auto.min_acceptance:
                 self._fall_back("low_acceptance")
 
-    def observe_time(self, status: Status, batch: int, seconds: float, tokens: int) -> None:
-        """One engine step's wall time and emitted tokens, with the status it was decided under."""
+    def k_for(self, batch: int) -> int:
+        """K for a speculative step at this batch size: num_speculative_tokens, or with auto.k_choices
+        the fastest measured K of this batch's bucket (each tried probe_steps steps first; every
+        probe_every steps one step tries the next K in turn, so a change of load is noticed)."""
+        with self._lock:
+            p = self._policy
+            choices = tuple(sorted({p.num_speculative_tokens, *p.auto.k_choices}))
+            if p.mode != "auto" or len(choices) == 1:
+                return p.num_speculative_tokens
+            b = _bucket(batch)
+            n = self._k_steps[b] = self._k_steps.get(b, 0) + 1
+            fresh = [k for k in choices if (s := self._k_spt.get((b, k))) is None or s.count < p.auto.probe_steps]
+            if fresh:
+                return fresh[0]
+            if n % p.auto.probe_every == 0:
+                return choices[(n // p.auto.probe_every) % len(choices)]
+            return min(choices, key=lambda k: self._k_spt[(b, k)].value)
+
+    def observe_time(self, status: Status, batch: int, seconds: float, tokens: int, k: int | None = None) -> None:
+        """One engine step's wall time and emitted tokens, with the status it was decided under (and
+        the K its speculative rows verified)."""
         if seconds < 0 or tokens < 0:
             raise GateInputError(f"need seconds >= 0 and tokens >= 0, got {seconds}, {tokens}")
         with self._lock:
             b = _bucket(batch)
             if status == "on":
                 self._spec_spt.setdefault(b, SecondsPerToken()).add(seconds, tokens)
+                if k:
+                    self._k_spt.setdefault((b, k), SecondsPerToken()).add(seconds, tokens)
             else:
                 self._plain_spt.setdefault(b, SecondsPerToken()).add(seconds, tokens)
             gating = self._policy.auto
@@ -242,6 +265,8 @@ class SpeculationGate:
                 "num_speculative_tokens": p.num_speculative_tokens,
                 "acceptance": p.acceptance,
                 "measured_speedup": {b: round(v, 3) for b in self._spec_spt if (v := self._speedup(b)) is not None},
+                "seconds_per_token_by_k": {f"{b}:{k}": round(v, 6) for (b, k), s in sorted(self._k_spt.items())
+                                           if (v := s.value) is not None},
             }
 
     def _fallback_over(self, gating: Any, running_batch: int) -> bool:  # under the lock

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Mode = Literal["on", "off", "auto"]
 AcceptanceMethod = Literal["greedy", "rejection", "typical"]
@@ -43,6 +43,19 @@ class AutoGating(_Frozen):
     # where speculation is slower while its drafts are still accepted.
     min_speedup: float = Field(1.0, ge=0.0, le=10.0)
     baseline_steps: int = Field(8, ge=1, le=10_000)  # plain steps that measure a bucket's baseline
+    # other K values auto may pick per batch-size bucket, by measured seconds per emitted token (each
+    # tried probe_steps steps first, then the fastest, the others probed again every probe_every steps);
+    # empty: always num_speculative_tokens
+    k_choices: tuple[int, ...] = ()
+    probe_steps: int = Field(4, ge=1, le=1000)
+    probe_every: int = Field(64, ge=2, le=100_000)
+
+    @field_validator("k_choices")
+    @classmethod
+    def _ks(cls, ks: tuple[int, ...]) -> tuple[int, ...]:
+        if any(not 1 <= k <= 8 for k in ks):
+            raise ValueError(f"k_choices must be in 1..8, got {list(ks)}")
+        return tuple(sorted(set(ks)))
 
 
 class SpeculationPolicy(_Frozen):

@@ -163,8 +163,9 @@ class Engine:
         captured on first use. Returns how many were captured (0 on CPU)."""
         policy = self.gate.policy
         spec = self.drafter is not None and policy.mode != "off"
-        return self.speculator.capture_graphs(policy.num_speculative_tokens if spec else 0, spec,
-                                              max_rows or self.cfg.max_num_seqs, progress)
+        ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())})
+        return sum(self.speculator.capture_graphs(k if spec else 0, spec, max_rows or self.cfg.max_num_seqs, progress)
+                   for k in (ks if spec else [0]))  # every K auto may pick
 
     def metrics(self) -> dict:
         return {**self.stats, **self.totals.as_dict(), "gate": self.gate.snapshot()}
@@ -229,7 +230,8 @@ class Engine:
         # baseline, after which it resumes speculating with the drafter up to date
         rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or self.gate.reason == "baseline")
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
-        self._plan_drafts(policy.num_speculative_tokens if status == "on" else 0, multi)
+        k = self.gate.k_for(len(sched.running)) if status == "on" else 0
+        self._plan_drafts(k, multi)
         step = sched.schedule()
         if step.empty:
             if sched.has_unfinished():
@@ -261,7 +263,7 @@ class Engine:
         if status != "off" and step.decodes and not step.prefills and (status != "on" or drafted):
             # decode-only steps: time per emitted token (an "on" step where no row drafted, catching the
             # drafter up after a fallback, is neither a speculative nor a plain figure)
-            self.gate.observe_time(status, len(rows), time.perf_counter() - t_step, sum(kept))
+            self.gate.observe_time(status, len(rows), time.perf_counter() - t_step, sum(kept), max(r.k for r in rows))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         if self.cfg.check_invariants:
             self._check_invariants()

@@ -66,3 +66,19 @@ def test_toggling_speculation_mid_request_is_exact(domain: str, static: bool) ->
         got = _run(toggled, _requests(toggled, domain), every)
         assert got == want, f"flip every {every} steps"
         assert toggled.totals.spec_steps > 0 and toggled.totals.steps > toggled.totals.spec_steps  # both kinds ran
+
+
+@pytest.mark.parametrize("domain", ["shell", "cpp"])
+def test_auto_choosing_k_per_step_is_exact(domain: str) -> None:
+    """auto with k_choices: the gate picks K (1, 2 or 3) step by step from measured time; the tokens
+    are plain decoding's, and several K values were verified."""
+    from policies.policy import AutoGating
+
+    plain = _engine(domain, True, "off")
+    want = _run(plain, _requests(plain, domain), None)
+    engine = _engine(domain, True, "on")
+    engine.gate.set_policy(SpeculationPolicy(mode="auto", num_speculative_tokens=3, auto=AutoGating(
+        min_acceptance=0.0, min_speedup=0.0, k_choices=(1, 2), probe_steps=2, probe_every=4)))
+    assert _run(engine, _requests(engine, domain), None) == want
+    ks = {key.split(":")[1] for key in engine.gate.snapshot()["seconds_per_token_by_k"]}
+    assert ks == {"1", "2", "3"}
