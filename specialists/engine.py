@@ -225,9 +225,8 @@ class Engine:
         t_step = time.perf_counter()
         status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
         policy = self.gate.policy
-        # a fallback step is a plain step: no drafter rebuild (its entries there stay stale: drafts after the
-        # resume are worse, never wrong, verification decides), except while the gate measures a short
-        # baseline, after which it resumes speculating with the drafter up to date
+        # a fallback step is a plain step (no drafter rebuild: stale entries only worsen later drafts), except
+        # during a short baseline, after which the gate resumes speculating with the drafter up to date
         rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or self.gate.reason == "baseline")
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         k = self.gate.k_for(len(sched.running)) if status == "on" else 0
