@@ -84,9 +84,11 @@ class Speculator:
         if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
+            # the engine allows decode_steps > 1 only to greedy rows without drafts, with no rebuild, on
+            # attention-only models (specialists/multistep.py: one graph, one sync for `steps` tokens per row)
             steps = min(seq.decode_steps for seq in decodes)
-            if want[0] == 0 and steps > 1 and plan.greedy and self.ssm is None and not (rebuild and drafting):
-                plan.multi = steps  # specialists/multistep.py: one graph, one sync for `steps` tokens per row
+            if steps > 1:
+                plan.multi = steps
             plan.static = StaticShape(*self.runner.static_shape(len(decodes), max(committed) + max(1 + want[0], steps)),
                                       committed)
         return plan
@@ -184,12 +186,7 @@ class Speculator:
         return self.drafter.chain_ahead(static.draft_out, static.packed, ctx, tables, plan.k, plan.static.width)
 
     def _num_drafts(self, plan: StepPlan) -> torch.Tensor:  # [B] int64
-        return self._device_ints([r.k for r in plan.rows])
-
-    def _device_ints(self, values: list) -> torch.Tensor:
-        """A host list as an int64 device tensor; on CUDA from pinned memory without blocking the host
-        (no sync: the step's one host copy stays its only one)."""
-        return device_ints(values, self.device)
+        return device_ints([r.k for r in plan.rows], self.device)  # no sync: the step's copy stays its only one
 
     def _logits_rows(self, plan: StepPlan) -> torch.Tensor | None:
         """[B, k+1] logits row of each row's positions (a row with fewer repeats its last one, ignored);
@@ -201,7 +198,7 @@ class Speculator:
         for m in counts:
             lidx.append([n + min(j, m - 1) for j in range(plan.k + 1)])
             n += m
-        return self._device_ints(lidx)
+        return device_ints(lidx, self.device)
 
     def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
         """An eager chain: -> drafts [S, k] (k <= kmax) and how many each sequence should verify (host)."""

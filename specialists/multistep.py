@@ -48,7 +48,6 @@ def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int) -> tuple[
     for j in range(steps):
         b = step_batch(batch, cur, j, kv.block_size)
         b.__dict__.pop("_attn_meta", None)  # each step's lengths differ: its own attention metadata
-        b.staged = []
         hidden = model.forward(b, kv, None)  # [Bp, d]
         cur = model.logits(hidden).float().argmax(-1)  # [Bp], as the one-token decode graph computes it
         out.append(cur)
