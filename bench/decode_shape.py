@@ -28,10 +28,11 @@ With --profile FILE: torch.profiler over 16 decode steps of the plain engine (be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from bench.shapes import SHAPES, SMALL_SHAPES, build_checkpoint, parameter_count, shape_config, weight_bytes
 from bench.step_profile import profile_decode
@@ -93,12 +94,8 @@ def _step_figures(sides: Any, batches: list, args: argparse.Namespace) -> dict:
         chains.update(p.chain_calls)
         return p.records
 
-    runner, multi = sides.engine.runner, sides.engine.runner.decode_steps
-    runner.decode_steps = 1  # a decode step here is one token: the cost a verify of K+1 is compared with
-    try:
+    with one_token_steps(sides.engine.runner):  # a decode step here is one token: what a verify of K+1 is compared with
         plain = decode_records(probe(sides.engine, sides.run_engine), 1)
-    finally:
-        runner.decode_steps = multi
     step = median_or_none([r.seconds for r in plain])
     fwd = median_or_none([r.forward_s for r in plain])
     out: dict = {"decode_step_ms": _ms(step)}
@@ -128,20 +125,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
 
+@contextlib.contextmanager
+def one_token_steps(runner: Any) -> Iterator[None]:
+    """The plain engine at one token per step (no multi-step decodes) inside the block."""
+    steps, runner.decode_steps = runner.decode_steps, 1
+    try:
+        yield
+    finally:
+        runner.decode_steps = steps
+
+
 def _one_step_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine: float, tokens: int) -> dict:
     """With multi-step decodes (specialists/multistep.py) on: the plain engine timed again at one
     token per step, right after the main run (the same batches): the multi-step gain as a ratio."""
-    runner = sides.engine.runner
-    steps = runner.decode_steps
+    steps = sides.engine.runner.decode_steps
     out: dict = {"decode_steps": steps}
     if steps > 1 and tokens:
         from bench.decode import timed  # bench.decode imports this module
 
-        runner.decode_steps = 1
-        try:
+        with one_token_steps(sides.engine.runner):
             _, t_one = timed(sides.run_engine, batches, args.device, "", quiet=True)
-        finally:
-            runner.decode_steps = steps
         out.update(ms_per_token_one_step=round(1e3 * t_one / tokens, 4), multistep_speedup=_ratio(t_one, t_engine))
     return out
 
