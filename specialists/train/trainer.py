@@ -208,10 +208,19 @@ def train_backbone(args: RunArgs, tokenizer_dir: Path, preset_name: str, init_fr
 
 
 def bigram_table(stream: np.ndarray, vocab: int) -> torch.Tensor:
-    """[V] most frequent next token after each token: the trivial drafter the MTP must beat."""
+    """[V] most frequent next token after each token: the trivial drafter the MTP must beat. Counted
+    over the distinct pairs only (a dense V x V table of a 49k vocabulary would take 19 GB); ties go
+    to the smaller token id, a token never seen first predicts token 0."""
     pairs = stream[:-1].astype(np.int64) * vocab + stream[1:].astype(np.int64)
-    counts = np.bincount(pairs, minlength=vocab * vocab).reshape(vocab, vocab)
-    return torch.from_numpy(counts.argmax(axis=1))
+    keys, counts = np.unique(pairs, return_counts=True)  # sorted by (first, next)
+    first, nxt = keys // vocab, keys % vocab
+    order = np.lexsort((nxt, -counts, first))  # per first token: most counted, then smallest next id
+    first, nxt = first[order], nxt[order]
+    lead = np.ones(len(first), dtype=bool)
+    lead[1:] = first[1:] != first[:-1]
+    table = np.zeros(vocab, dtype=np.int64)
+    table[first[lead]] = nxt[lead]
+    return torch.from_numpy(table)
 
 
 def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch, k: int, bigram: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
@@ -242,9 +251,11 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     return total, metrics
 
 
-def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int, init_drafter: Path | None = None) -> dict:
-    backbone_dir = args.out / "backbone"
-    backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir)).to(args.device).eval()
+def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int, init_drafter: Path | None = None,
+              backbone_dir: Path | None = None) -> dict:
+    """backbone_dir: the frozen checkpoint (default <out>/backbone); the drafter is saved into it."""
+    backbone_dir = backbone_dir or args.out / "backbone"
+    backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir), dtype=torch.float32).to(args.device).eval()
     for p in backbone.parameters():
         p.requires_grad_(False)
     bc = backbone.config
@@ -307,7 +318,8 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps
 def cli(argv: list[str]) -> int:
     kind, rest = argv[0], argv[1:]
     parser = argparse.ArgumentParser(prog=f"python -m specialists.train {kind}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--domain", required=True, choices=DOMAINS)
+    parser.add_argument("--domain", required=True, choices=DOMAINS if kind == "backbone" else None,
+                        help="the packed data's folder under --data" + ("" if kind == "backbone" else " (a domain, or e.g. general)"))
     parser.add_argument("--data", type=Path, default=Path("data/packed"))
     parser.add_argument("--out", type=Path, help="run folder (default runs/<domain>)")
     parser.add_argument("--steps", type=int, default=4000 if kind == "backbone" else 2000)
@@ -332,6 +344,7 @@ def cli(argv: list[str]) -> int:
         parser.add_argument("--intermediate-size", type=int, default=None)
         parser.add_argument("--sanity-steps", type=int, default=200, help="abort unless the drafter beats the bigram baseline by then")
         parser.add_argument("--init-drafter", type=Path, default=None, help="continue from this directory's mtp.safetensors")
+        parser.add_argument("--backbone", type=Path, default=None, help="the frozen checkpoint (default <out>/backbone); the drafter is saved into it")
     ns = parser.parse_args(rest)
     if ns.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -344,7 +357,7 @@ def cli(argv: list[str]) -> int:
     if kind == "backbone":
         record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain], ns.init_from)
     else:
-        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps, ns.init_drafter)
+        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps, ns.init_drafter, ns.backbone)
     record.update(domain=ns.domain, device=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu", seed=ns.seed,
                   batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr)
     (out / f"{kind}_result.json").write_text(json.dumps(record, indent=2) + "\n")

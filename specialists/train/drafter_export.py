@@ -1,0 +1,69 @@
+"""Ship the MTP drafter of a checkpoint that is not ours (an imported pretrained model).
+
+  python -m specialists.train export-drafter --checkpoint CKPT --run RUN --distill DATA \\
+      --out deploy/models/general [--dtype bfloat16]
+
+Copies the drafter (mtp.safetensors in --dtype, mtp_config.json) and its vocabulary
+(mtp_vocab.safetensors) from CKPT into --out, with cantata.json: the base checkpoint it was trained
+against (cantata_import.json: package and sha256s), the self-distillation data (distill.json), the
+training record (RUN/mtp_result.json), the commit and the weights' sha256. The checkpoint's own
+weights are not copied: they come from the import at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from specialists.models.draftvocab import MTP_VOCAB
+from specialists.models.mtp import MTP_CONFIG, MTP_WEIGHTS, load_drafter, save_drafter
+from specialists.provenance import git_commit
+
+MTP_KEYS = ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed",
+            "batch_size", "seq_len", "device")
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def export_drafter(checkpoint: Path, run: Path, distill: Path, out: Path, dtype: torch.dtype) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    save_drafter(load_drafter(checkpoint), out, dtype=dtype)
+    if (checkpoint / MTP_VOCAB).is_file():
+        shutil.copy2(checkpoint / MTP_VOCAB, out / MTP_VOCAB)
+    base = _json(checkpoint / "cantata_import.json")
+    mtp = _json(run / "mtp_result.json")
+    meta = {
+        "kind": "drafter",
+        "base": {k: base.get(k) for k in ("package", "gguf_sha256", "wheel_sha256", "dtype", "model_type")},
+        "commit": git_commit(),
+        "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "distill": _json(distill / "distill.json"),
+        "mtp": {k: mtp[k] for k in MTP_KEYS if k in mtp},
+        "weights_sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
+                           for name in (MTP_WEIGHTS, MTP_CONFIG, MTP_VOCAB) if (out / name).is_file()},
+    }
+    (out / "cantata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m specialists.train export-drafter", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint the drafter was trained into")
+    p.add_argument("--run", type=Path, required=True, help="the mtp run folder (mtp_result.json)")
+    p.add_argument("--distill", type=Path, required=True, help="the distill output (distill.json)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = p.parse_args(argv)
+    meta = export_drafter(args.checkpoint, args.run, args.distill, args.out, getattr(torch, args.dtype))
+    print(json.dumps({"exported": str(args.out), "mtp": meta["mtp"].get("final"), "bytes": {
+        p.name: p.stat().st_size for p in sorted(args.out.iterdir())}}))
+    return 0
