@@ -30,6 +30,7 @@ from spec.acceptance import TypicalParams
 from spec.speculator import Speculator
 from spec.stats import RequestStats, SpecStats
 from spec.triggers import TriggerSet
+from specialists.base_checkpoint import resolve_weights
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
 from specialists.models.draftvocab import read_draft_vocab
@@ -118,10 +119,11 @@ class Engine:
         """An engine over a checkpoint directory. `options` (specialists/options.py), or its fields as
         keywords (Engine.from_pretrained(path, device="cuda", max_num_seqs=8)); both: the keywords win.
         `policy` None: speculation in the default policy when the checkpoint has a drafter, off
-        otherwise; asking for speculation without a drafter raises MissingDrafterError."""
-        opts = EngineOptions.from_keywords(options, **kw)
-        model = load_model(path, device=opts.device, dtype=opts.dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        otherwise; asking for speculation without a drafter raises MissingDrafterError. A directory
+        with a base.json has its weights imported (specialists/base_checkpoint.py), its drafter beside."""
+        opts, weights = EngineOptions.from_keywords(options, **kw), resolve_weights(path)
+        model = load_model(weights, device=opts.device, dtype=opts.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(weights))
         cfg = opts.resolve(model.config.max_position_embeddings, model.config.hidden_size)
         drafter = None
         if opts.load_mtp and (policy is None or policy.mode != "off"):
@@ -176,8 +178,6 @@ class Engine:
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 **(self.snapshots.stats() if self.snapshots is not None else {})}
-
-    # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
@@ -361,8 +361,6 @@ class Engine:
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=list(seq.prompt_ids),
                              token_ids=list(seq.output_ids), text=seq.text, finish_reason=seq.finish_reason,
                              finished=finished, speculation=seq.stats.speculation, stats=seq.stats)
-
-    # ---- front ends ----------------------------------------------------------------------------
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams], use_tqdm: bool = False) -> list[RequestOutput]:
         plist = params if isinstance(params, list) else [params] * len(prompts)

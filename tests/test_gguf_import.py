@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from checkpoint_parity import SHELL, TOL, greedy_pairs, hf_model, max_logit_diff
 from gguf_fixture import dequantized_expectation, tiny_llama, write_gguf, write_wheel
-from specialists.train.gguf_import import (MANIFEST, ChecksumMismatchError, DownloadError, ImportRequest, NoGGUFError,
+from specialists.gguf_import import (MANIFEST, ChecksumMismatchError, DownloadError, ImportRequest, NoGGUFError,
                                            OutputConflictError, cli, run_import)
 
 WHEEL = "tinyllm-0.1.0-py3-none-any.whl"

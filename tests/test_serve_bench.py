@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 N, C, MAX_TOKENS = 24, 8, 32
 DOMAINS = ("cpp", "python", "build", "shell")
+SPECIALISTS = (*DOMAINS, "general")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_bench_serving_against_serve_run(server, tmp_path, capsys):
     # the mix has every kind of request (seed 0), and every request is counted once everywhere
     mix = f["mix"]
     assert min(mix.values()) > 0 and mix["stream"] < N
-    assert sum(f["per_specialist"].values()) == N and set(f["per_specialist"]) <= set(DOMAINS)
+    assert sum(f["per_specialist"].values()) == N and set(f["per_specialist"]) <= set(SPECIALISTS)
     assert sum(f["x_speculation"].values()) == N and set(f["x_speculation"]) <= {"on", "off", "fallback"}
     assert sum(f["speculation_used"].values()) == N and sum(f["finish_reasons"].values()) == N
     assert f["latency_s"]["n"] == N and f["ttft_s"]["n"] == mix["stream"]
@@ -52,7 +53,7 @@ def test_bench_serving_against_serve_run(server, tmp_path, capsys):
     assert f["auto_ok"] == mix["auto"] and f["tool_requests_ok"] == mix["tool"] and f["tool_requests_calling"] > 0
     # greedy outputs: alone == under load
     assert det["total"] > 0 and det["identical"] == det["total"] and det["mismatches"] == [] and det["alone_failed"] == 0
-    assert row["commit"] == git_commit() and row["url"] == BASE and set(row["models"]) == {"auto", *DOMAINS}
+    assert row["commit"] == git_commit() and row["url"] == BASE and set(row["models"]) == {"auto", *SPECIALISTS}
     assert row["params"]["num_requests"] == N and row["params"]["concurrency"] == C
     assert row["machine"]["cpu_count"] >= 1 and len(row["machine"]["loadavg"]) == 3
     assert f"{N} ok / 0 failed of {N}" in printed and f"{det['total']}/{det['total']} greedy outputs identical" in printed

