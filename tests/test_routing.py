@@ -45,7 +45,7 @@ def held_out(clf: ContentClassifier) -> list[dict]:
 def test_shipped_files_are_small_safetensors_with_provenance(clf: ContentClassifier) -> None:
     assert (SHIPPED / WEIGHTS_FILE).stat().st_size + (SHIPPED / META_FILE).stat().st_size < 4 * 2**20
     assert not [p.name for p in SHIPPED.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".pkl")]
-    assert clf.labels == DOMAINS
+    assert clf.labels == [*DOMAINS, "general"]  # general: requests that are about none of the four
     for key in ("train_accuracy", "val_accuracy", "corpus_sha256", "date", "seed", "features"):
         assert key in clf.meta, key
     assert clf.meta["val_accuracy"] >= 0.95
@@ -109,13 +109,13 @@ def test_below_threshold_falls_back_to_default(clf: ContentClassifier) -> None:
 
 
 def test_subset_of_specialists_renormalizes(clf: ContentClassifier) -> None:
-    r = Router(["cpp", "shell", "general"], clf, default="general", threshold=0.0)
+    r = Router(["cpp", "shell", "writer"], clf, default="writer", threshold=0.0)  # writer: no class of the classifier
     py = [{"role": "user", "content": "def mean(xs):\n    return sum(xs) / len(xs)\n\nimport os\nprint(os.getcwd())\n"}]
     d = r.route("auto", py)
     assert d.specialist in ("cpp", "shell") and set(d.scores) == {"cpp", "shell"}
     assert sum(d.scores.values()) == pytest.approx(1.0)
     assert r.route("auto", [{"role": "user", "content": CPP}]).specialist == "cpp"
-    assert r.route("general", py).reason == "pinned"
+    assert r.route("writer", py).reason == "pinned"
     with pytest.raises(UnknownModelError):
         r.route("python", py)  # a label of the classifier, but not served here
 
@@ -126,7 +126,7 @@ def test_router_config_errors(clf: ContentClassifier) -> None:
     with pytest.raises(RouterConfigError):
         Router([], None, default="cpp")
     with pytest.raises(RouterConfigError):
-        Router(["general"], clf, default="general")  # the classifier can pick none of them
+        Router(["writer"], clf, default="writer")  # the classifier can pick none of them
     with pytest.raises(RouterConfigError):
         Router(DOMAINS, clf, default="cpp", threshold=1.5)
 

@@ -253,13 +253,11 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
 
 def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int, init_drafter: Path | None = None,
               backbone_dir: Path | None = None) -> dict:
-    """backbone_dir: the frozen checkpoint (default <out>/backbone); the drafter is saved into it."""
-    backbone_dir = backbone_dir or args.out / "backbone"
+    backbone_dir = backbone_dir or args.out / "backbone"  # the frozen checkpoint; the drafter is saved into it
     backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir), dtype=torch.float32).to(args.device).eval()
-    for p in backbone.parameters():
-        p.requires_grad_(False)
-    bc = backbone.config
-    preset_name = json.loads((args.out / "backbone_result.json").read_text())["preset"] if (args.out / "backbone_result.json").exists() else None
+    backbone.requires_grad_(False)
+    bc, result = backbone.config, args.out / "backbone_result.json"
+    preset_name = json.loads(result.read_text())["preset"] if result.exists() else None
     inter = intermediate_size or (PRESETS[preset_name].mtp_intermediate_size if preset_name else bc.hidden_size)
     cfg = MTPConfig(
         hidden_size=bc.hidden_size, intermediate_size=inter, num_attention_heads=bc.num_attention_heads,
