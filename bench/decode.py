@@ -174,6 +174,8 @@ def _check_model(args: argparse.Namespace) -> None:
         raise UsageError("--batch-size and --max-new-tokens must be >= 1")
     if args.prompts is None:
         raise UsageError("--model needs --prompts")
+    if (args.model / "base.json").is_file():  # weights imported on first use (specialists/base_checkpoint.py)
+        return
     for name in ("model.safetensors", "config.json"):
         if not (args.model / name).is_file():
             raise UsageError(f"{args.model} has no {name}")
@@ -204,7 +206,9 @@ def _load(args: argparse.Namespace) -> Sides:
             raise UsageError(str(exc)) from exc
     hf, pad_id = None, 0
     if not args.skip_hf:
-        hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).to(args.device).eval()
+        from specialists.base_checkpoint import resolve_weights
+
+        hf = AutoModelForCausalLM.from_pretrained(str(resolve_weights(args.model)), dtype=dtype).to(args.device).eval()
         hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
         pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     return Sides(engine, spec_engine, hf, pad_id, args.device, args.max_new_tokens)
