@@ -24,10 +24,7 @@ import torch
 from specialists.models.draftvocab import MTP_VOCAB
 from specialists.models.mtp import MTP_CONFIG, MTP_WEIGHTS, load_drafter, save_drafter
 from specialists.provenance import git_commit
-
-MTP_KEYS = ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed",
-            "init_from", "prior_steps", "prior_tokens_seen",
-            "batch_size", "seq_len", "device")
+from specialists.train.export import MTP_KEYS
 
 
 def _json(path: Path) -> dict:

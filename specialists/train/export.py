@@ -25,6 +25,8 @@ from specialists.models.mtp import load_drafter, save_drafter
 from specialists.provenance import git_commit
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MTP_KEYS = ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed",
+            "init_from", "prior_steps", "prior_tokens_seen", "device", "batch_size", "seq_len")  # of mtp_result.json
 
 
 def provenance(run: Path, packed: Path, domain: str) -> dict:
@@ -43,8 +45,7 @@ def provenance(run: Path, packed: Path, domain: str) -> dict:
         "packed": manifest["domains"][domain],
         "backbone": {k: backbone[k] for k in ("parameters", "steps", "tokens_seen", "seconds", "final", "batch_size", "seq_len", "lr", "seed",
                                               "init_from", "prior_steps", "prior_tokens_seen", "tokens_seen_total") if k in backbone},
-        "mtp": {k: mtp[k] for k in ("parameters", "k", "steps", "tokens_seen", "seconds", "final", "sanity", "beats_bigram", "lr", "seed",
-                                    "init_from", "prior_steps", "prior_tokens_seen", "device") if k in mtp},
+        "mtp": {k: mtp[k] for k in MTP_KEYS if k in mtp},
     }
 
 
