@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.common import read_jsonl
 from policies.policy import SpeculationPolicy
 from router.classifier import ContentClassifier
 from router.routing import Router
@@ -25,11 +26,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 GENERAL = REPO / "deploy" / "models" / "general"
 DATA = REPO / "bench" / "data"
-
-
-def _prompts(path: Path, n: int | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[:n]
 
 
 def test_base_json_names_the_pinned_import(tmp_path):
@@ -62,7 +58,7 @@ def test_drafter_speculates_exactly_and_is_accepted(engines):
     spec, plain = engines
     assert spec.drafter is not None and spec.drafter.vocab is not None and len(spec.drafter.vocab) == 8192
     tok = spec.tokenizer
-    rows = _prompts(DATA / "general" / "mtbench_first_turns.jsonl", 3) + _prompts(DATA / "general" / "humaneval_prompts.jsonl", 2)
+    rows = read_jsonl(DATA / "general" / "mtbench_first_turns.jsonl", 3) + read_jsonl(DATA / "general" / "humaneval_prompts.jsonl", 2)
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
                for r in rows]
     params = SamplingParams(max_tokens=40)
@@ -81,11 +77,11 @@ def test_router_sends_general_requests_to_general():
                     args["default_specialist"], args["route_threshold"])
     assert router.default == "general"
     mt = [router.route("auto", [{"role": "user", "content": r["prompt"]}]).specialist
-          for r in _prompts(DATA / "general" / "mtbench_first_turns.jsonl")]
+          for r in read_jsonl(DATA / "general" / "mtbench_first_turns.jsonl")]
     assert mt.count("general") / len(mt) >= 0.9
     assert "general" in router.classifier.labels
     for domain in ("cpp", "python", "build", "shell"):
-        rows = [r for name in ("chat_prompts", "prompts", "tool_convs") for r in _prompts(DATA / domain / f"{name}.jsonl")]
+        rows = [r for name in ("chat_prompts", "prompts", "tool_convs") for r in read_jsonl(DATA / domain / f"{name}.jsonl")]
         kept = [router.route("auto", r.get("messages") or [{"role": "user", "content": r["prompt"]}]).specialist == domain
                 for r in rows]
         assert sum(kept) / len(kept) >= 0.97, domain
