@@ -3,7 +3,7 @@
 
 * parameters we do not implement are refused by name, never ignored: `n` > 1, `logprobs`,
   `top_logprobs`, `logit_bias`, non-zero `presence_penalty` / `frequency_penalty`, `repetition_penalty`
-  other than 1, `min_p` other than 0, `response_format` other than `{"type": "text"}`, the legacy
+  other than 1, `min_p` other than 0 (`response_format` is checked in router/tools.py), the legacy
   `functions` / `function_call`, audio output, `prediction`, `web_search_options`, `best_of` > 1,
   `echo`, and vLLM's guided-decoding fields;
 * `seed` within [0, 2**63 - 1] (what the engine's generators take);
@@ -36,8 +36,6 @@ def _unsupported(req: ChatCompletionRequest) -> tuple[str, str] | None:
         ("frequency_penalty", req.frequency_penalty not in (None, 0), "frequency_penalty is not supported (only 0)"),
         ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported (only 1)"),
         ("min_p", req.min_p not in (None, 0), "min_p is not supported (only 0)"),
-        ("response_format", req.response_format is not None and req.response_format.get("type") != "text",
-         'response_format is not supported yet (only {"type": "text"})'),
         ("functions", req.functions is not None, "functions is not supported: use tools"),
         ("function_call", req.function_call is not None, "function_call is not supported: use tool_choice"),
         ("modalities", req.modalities not in (None, ["text"]), 'only modalities ["text"] is supported'),

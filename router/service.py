@@ -43,7 +43,7 @@ from router.request_guard import check_request
 from router.recovery import Recovery
 from router.routing import AUTO, RouteDecision, Router, UnknownModelError
 from router.tool_stream import ToolCallStreamer
-from router.tools import ToolPlan, extract_tool_calls_off_loop, plan_tools, to_template_messages
+from router.tools import ToolPlan, extract_tool_calls_off_loop, plan_tools, response_grammar, to_template_messages
 from specialists.chat import render
 from specialists.telemetry import TRACER_NAME, inject_context
 from specialists.wire import GenerateEvent, GenerateRequest
@@ -177,6 +177,10 @@ class ChatService:
         # unsupported parameters, seed, surrogates, schemas: a walk over the whole request, in a worker thread
         await asyncio.to_thread(check_request, req, self.settings.limits)
         plan = plan_tools(req)
+        # a forced call's grammar wins over response_format (the reply is the call); otherwise the
+        # reply's text follows response_format, and under tool_choice auto no call can open in it
+        fmt = response_grammar(req, self.settings.limits)
+        grammar = plan.grammar if plan.forced or fmt is None else fmt
         messages = to_template_messages(req.messages)
         decision = self._route(req, parent)
         backend = self.backends.get(decision.specialist)
@@ -192,7 +196,7 @@ class ChatService:
         gen = GenerateRequest(
             request_id=rid, prompt=prompt, max_tokens=req.token_limit() or self.settings.default_max_tokens,
             temperature=temperature, top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
-            seed=req.seed, stop=req.stop_list(), trace_context=inject_context(parent),
+            seed=req.seed, stop=req.stop_list(), grammar=grammar, trace_context=inject_context(parent),
         )
         return Prepared(req, decision, plan, gen, backend, rid, int(time.time()))
 

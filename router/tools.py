@@ -5,9 +5,10 @@ extraction from generated text (streaming tool-call deltas: router/tool_stream.p
   repaired parameters schema (`"type": "dict"` and friends become JSON-schema types, a missing
   schema becomes an empty object schema, keys the template never saw in training are dropped).
 * `plan_tools` turns `tools` + `tool_choice` into a `ToolPlan`: which tools go into the prompt,
-  which forced prefix ends the prompt (`required`: `<tool_call>{"name": "`, a named function:
-  `<tool_call>{"name": "<fn>", "arguments":`, without a trailing space, which would split the
-  tokenizer's ' {"' token), and whether output is parsed for calls.
+  which forced prefix ends the prompt (`required` or a named function: `<tool_call>`), the grammar
+  the call follows (specialists/grammar.py: an offered name, arguments valid for its schema; with
+  `auto` it starts once the model writes `<tool_call>`), and whether output is parsed for calls.
+* `response_grammar` turns `response_format` (`json_object`, `json_schema`) into a grammar.
 * `to_template_messages` maps OpenAI messages (assistant `tool_calls`, `role: "tool"` results,
   content parts, `developer`) onto what `specialists.chat.render` expects.
 * `extract_tool_calls` (whole reply) and `tool_stream.ToolCallStreamer` (deltas) share `convert_call`, so a
@@ -34,7 +35,10 @@ from router.api import (
     ToolDefinition,
     tool_call_id,
 )
+from router.limits import RequestLimits
+from router.schema_guard import check_schema, without_unsupported
 from specialists.chat import TOOL_CALL_OPEN, ParsedToolCall, parse_tool_calls, validate_arguments
+from specialists.wire import GrammarSpec, ToolGrammar
 
 # ---- schemas -------------------------------------------------------------------------------------
 
@@ -148,6 +152,7 @@ class ToolPlan:
     parse_calls: bool = False  # look for <tool_call> blocks in the output
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> repaired parameters
     parallel: bool = True  # False: keep the first call only
+    grammar: GrammarSpec | None = None  # what a call must follow (None: no tools)
 
     @property
     def forced(self) -> bool:
@@ -168,19 +173,57 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(prompt_tools=None)
     rendered = prompt_tools(tools)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in rendered}
+    strict = {t.function.name: bool(t.function.strict) for t in tools}
     parallel = request.parallel_tool_calls is not False
+
+    def grammar(offered: list[str], on_open: bool) -> GrammarSpec:
+        # a strict function's schema was checked whole (router/schema_guard.py); a non-strict one's
+        # grammar drops what it cannot enforce
+        return GrammarSpec(kind="tool_call", activate_on_tool_open=on_open, tools=[
+            ToolGrammar(name=n, parameters=schemas[n] if strict[n] else without_unsupported(schemas[n]), strict=strict[n])
+            for n in offered])
+
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in schemas:
             raise BadRequestError(f"tool_choice names {name!r}, which is not among the tools {names}",
                                   param="tool_choice")
-        # No space after the colon: the tokenizer makes ' {"' one token, so a prompt ending in a space
-        # would split it (the model then continues badly); the model writes ' {"' itself.
-        prefix = f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
-        return ToolPlan(rendered, prefix, True, schemas, parallel)
+        return ToolPlan(rendered, TOOL_CALL_OPEN, True, schemas, parallel, grammar([name], False))
     if choice == "required":
-        return ToolPlan(rendered, f'{TOOL_CALL_OPEN}{{"name": "', True, schemas, parallel)
-    return ToolPlan(rendered, "", True, schemas, parallel)
+        return ToolPlan(rendered, TOOL_CALL_OPEN, True, schemas, parallel, grammar(names, False))
+    return ToolPlan(rendered, "", True, schemas, parallel, grammar(names, True))
+
+
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def response_grammar(request: ChatCompletionRequest, limits: RequestLimits) -> GrammarSpec | None:
+    """`response_format` as a grammar (None for text); a 400 naming what is wrong or unsupported."""
+    fmt = request.response_format
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec(kind="json_object")
+    if kind != "json_schema":
+        raise BadRequestError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                              param="response_format", code="unsupported_parameter")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise BadRequestError("response_format json_schema needs a json_schema object", param="response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+        raise BadRequestError("response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+                              param="response_format.json_schema.name")
+    schema = spec.get("schema")
+    if schema is None:
+        return GrammarSpec(kind="json_object")
+    if not isinstance(schema, dict):
+        raise BadRequestError("response_format.json_schema.schema must be a JSON object", param="response_format.json_schema.schema")
+    check_schema(schema, "response_format.json_schema.schema", limits, grammar=True)
+    return GrammarSpec(kind="json_schema", schema=schema)
 
 
 # ---- messages ------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ the engine: acceptance needs it; specialists/sampling.py re-exports it.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # a compiled grammar the output must follow (specialists/grammar.py's Constraint: anything with
+    # new_guide(in_tool) -> spec.grammar.Guide); None: free text
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
+from spec.grammar import DraftMasks, StepMasks, active_guide, apply_masks
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
 from state.transfer import device_ints
 
@@ -38,6 +39,7 @@ class Speculator:
     def __init__(self, runner: Any, kv: Any, ssm: Any | None, drafter: Any | None) -> None:
         self.runner, self.kv, self.ssm, self.drafter = runner, kv, ssm, drafter
         self.device = runner.device
+        self.vocab_size = runner.model.lm_head.shape[0]  # the logits' width: grammar masks cover it
         self._draft_out: torch.Tensor | None = None  # [T_prev, d] the last rebuild's entry outputs
         self._draft_index: dict[int, int] = {}  # seq_id -> row of _draft_out at its committed end
         # drafting ahead (static greedy steps): right after a verify the device drafts the next step from
@@ -69,6 +71,7 @@ class Speculator:
         forward = self.verify(plan, proposal)
         out = self.finish(plan, forward, self.accept(plan, proposal, forward))
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
+        out.mask_s = plan.masks.mask_s if plan.masks is not None else 0.0
         return plan.rows, out
 
     # ---- plan -> propose -> verify -> accept -> finish ------------------------------------------
@@ -81,7 +84,10 @@ class Speculator:
         rows += [Row(seq, False, [seq.output_ids[-1]], k) for seq, k in zip(decodes, want)]
         plan = StepPlan(rows, k=max(want, default=0), method=method, typical=typical, rebuild=rebuild,
                         greedy=all(r.seq.params.greedy for r in rows))
-        if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
+        guided = {b: g for b, g in enumerate(active_guide(r.seq) for r in rows) if g is not None}
+        if guided:  # grammar masks: filled on the host as the chain goes, applied before acceptance (eager)
+            plan.masks = StepMasks(self.vocab_size, plan.k, guided)
+        if (not guided and not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
             # the engine allows decode_steps > 1 only to greedy rows without drafts, with no rebuild, on
@@ -108,8 +114,12 @@ class Speculator:
         spec = [i for i, r in enumerate(plan.rows) if r.k > 0]
         num = [0] * len(plan.rows)
         drafts = None
-        if spec:  # the drafter may stop a chain early (low confidence), which sets k
-            drafts, counts = self._draft([plan.rows[i].seq for i in spec], plan.k)  # [S, kd], [S]
+        if spec:  # the drafter may stop a chain early (low confidence, a draft the grammar refuses), which sets k
+            seqs = [plan.rows[i].seq for i in spec]
+            if plan.masks is None:
+                drafts, counts = self._draft(seqs, plan.k)  # [S, kd], [S]
+            else:
+                drafts, counts = self._draft(seqs, plan.k, DraftMasks(plan.masks, spec, plan.k, self.drafter.vocab, self.device))
             for i, n in zip(spec, counts):
                 num[i] = min(plan.rows[i].k, n)
         plan.settle(num)
@@ -128,7 +138,8 @@ class Speculator:
         if plan.multi > 1:
             return self.runner.run_multi(plan.rows, plan.multi)  # (tokens [Bp, S], packed [Bp, 2S])
         in_graph = self._rebuild_in_graph(plan)
-        return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None)
+        return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None,
+                               static=plan.masks is None)
 
     def accept(self, plan: StepPlan, proposal: Proposal, res: Any) -> Accepted:
         """Each row's kept drafts and target token (spec/acceptance.py), packed for the host; on the device."""
@@ -138,6 +149,12 @@ class Speculator:
         if res.static is not None and plan.greedy:  # the graph accepted and packed its rows
             return Accepted(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B])
         drafts = None if proposal.drafts is None else proposal.drafts[:B]
+        if plan.masks is not None:  # each guided row's logits keep only what its grammar allows there
+            t0 = time.perf_counter()
+            plan.masks.fill_first()
+            rows, bits = plan.masks.logits_rows([1 if r.prefill else 1 + r.k for r in plan.rows])
+            apply_masks(res.logits, rows, bits)
+            plan.masks.mask_s += time.perf_counter() - t0
         lidx = self._logits_rows(plan)
         if plan.greedy:  # the target's argmax after each position; exact
             best = res.logits.argmax(-1)  # [rows of logits]
@@ -200,7 +217,7 @@ class Speculator:
             n += m
         return device_ints(lidx, self.device)
 
-    def _draft(self, seqs: list[Any], kmax: int) -> tuple[torch.Tensor, list[int]]:
+    def _draft(self, seqs: list[Any], kmax: int, guide: DraftMasks | None = None) -> tuple[torch.Tensor, list[int]]:
         """An eager chain: -> drafts [S, k] (k <= kmax) and how many each sequence should verify (host)."""
         dev = self.device
         prev = self._draft_out[device_ints([self._draft_index[s.seq_id] for s in seqs], dev)]
@@ -208,7 +225,7 @@ class Speculator:
         tables_host = [self.kv.block_table(s.seq_id) for s in seqs]
         width = max(len(tb) for tb in tables_host)
         tables = device_ints([tb + [0] * (width - len(tb)) for tb in tables_host], dev, torch.int32)
-        return self.drafter.chain(prev, committed, tables, kmax)
+        return self.drafter.chain(prev, committed, tables, kmax, guide)
 
     def _draft_static(self, plan: StepPlan) -> torch.Tensor:
         """A static chain (a CUDA graph on a GPU): -> drafts [Bp, k], padding rows after the real ones."""

@@ -20,6 +20,16 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
+    grammar_steps: int = 0  # steps decoded under a grammar (spec/grammar.py)
+    grammar_drafts: int = 0  # drafts proposed under a grammar's mask
+    grammar_masked_drafts: int = 0  # of those, drafts the mask changed (the drafter's own pick was refused)
+    grammar_mask_s: float = 0.0  # host time on grammar masks: filling, applying, committing
+
+    def record_grammar(self, drafts: int, masked: int, mask_s: float) -> None:
+        self.grammar_steps += 1
+        self.grammar_drafts += drafts
+        self.grammar_masked_drafts += masked
+        self.grammar_mask_s += mask_s
 
     def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
         """One step of one sequence: num_drafts verified, num_accepted of them kept."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from spec.acceptance import Method, TypicalParams
+from spec.grammar import StepMasks
 
 
 @dataclass
@@ -57,6 +58,7 @@ class StepPlan:
     greedy: bool  # every row greedy: exact acceptance by the target's argmax
     static: StaticShape | None = None
     multi: int = 1  # > 1: that many greedy one-token decodes in one static forward (no drafts)
+    masks: StepMasks | None = None  # the grammar masks of guided rows (spec/grammar.py); None: no row guided
 
     def settle(self, num_drafts: list[int]) -> None:
         """Each row's drafts once they are proposed (a chain may stop early), and the batch layout."""
@@ -105,3 +107,4 @@ class StepOutput:
     drafts: list[list[int]] = field(default_factory=list)  # [B] the verified drafts, for commit
     draft_s: float = 0.0
     verify_s: float = 0.0
+    mask_s: float = 0.0  # host time on grammar masks (filling, the drafter's reads, applying)

@@ -19,6 +19,7 @@ Layout:
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from policies.policy import SpeculationPolicy
 from specialists.engine_loop import EngineLoop, Failed, Snapshot, warm_up_engine
 from specialists.metrics import NullMetrics, SpecialistMetrics
+from specialists.grammar import GrammarError
 from specialists.prompt_guard import PromptEncoder, PromptTooLong
 from specialists.sampling import SamplingParams
 from specialists.serve_metrics import ServeMetrics
@@ -266,6 +268,13 @@ class Specialist:
         except ValueError as exc:
             yield self._event("error", status=400, message=str(exc))
             return
+        if req.grammar is not None:  # compiled (or found in the cache) here, never on the engine thread
+            span.set_attribute("cantata.grammar", req.grammar.kind)
+            try:
+                params.grammar = await asyncio.to_thread(self.engine.grammar, req.grammar)
+            except GrammarError as exc:
+                yield self._event("error", status=400, message=str(exc))
+                return
         try:  # tokenized here, after a length bound, never on the engine thread
             ids = await self._encoder.encode_async(req.prompt)
         except PromptTooLong as exc:

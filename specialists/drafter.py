@@ -33,6 +33,7 @@ from specialists.models.mtp import MTPDrafter
 from specialists.models.rope import apply_signed_rope
 from specialists.ops.attention import grouped_attention, paged_attention, workspace, write_kv
 from specialists.ops.linear import proposal_linear
+from spec.grammar import DraftMasks
 from state.transfer import device_ints
 
 
@@ -154,6 +155,7 @@ class PagedDrafter:
         committed: list[int],  # [B] C_b, host
         tables: torch.Tensor,  # [B, W] int32 block tables covering [0, C_b)
         k: int,  # drafts per sequence, at most
+        guide: DraftMasks | None = None,  # grammar masks of the guided rows (spec/grammar.py)
     ) -> tuple[torch.Tensor, list[int]]:  # drafts [B, k'] int64 (k' <= k), and drafts to verify per row
         """Chained greedy drafting. The committed entries are gathered once into a dense [B, C, ...]
         context; the chained entries (depth >= 2) live only in a small dense tail and are never
@@ -161,11 +163,18 @@ class PagedDrafter:
 
         With min_confidence > 0 a row keeps only its leading drafts whose drafter probability is at
         least that, and the chain stops once no row is still confident. That reads the confidences on
-        the host after each depth, so it is meant for the CPU, where a read is not a device sync."""
+        the host after each depth, so it is meant for the CPU, where a read is not a device sync.
+
+        With a guide, each depth's logits are masked by the grammar (the guide reads the previous
+        depth's drafts on the host), and a row's count ends at a draft the grammar refuses."""
         cmax = max(committed)
         tab = tables[:, : -(-cmax // self.block_size)].reshape(-1).long()
         c = device_ints(committed, prev.device)
-        return self._chain(prev, c, tab, k, cmax, masked=prev.shape[0] > 1)
+        drafts, counts = self._chain(prev, c, tab, k, cmax, masked=prev.shape[0] > 1, guide=guide)
+        if guide is not None:
+            guide.finish(drafts[:, -1], drafts.shape[1])
+            counts = [min(a, b) for a, b in zip(counts, guide.counts)]
+        return drafts, counts
 
     @torch.inference_mode()
     def chain_static(
@@ -266,13 +275,13 @@ class PagedDrafter:
         return self._chain(prev, c, tables[:, :width // self.block_size].reshape(-1), k, width, masked=True)[0]
 
     def _chain(self, prev: torch.Tensor, c: torch.Tensor, tab: torch.Tensor, k: int, width: int,
-               masked: bool) -> tuple[torch.Tensor, list[int]]:
+               masked: bool, guide: DraftMasks | None = None) -> tuple[torch.Tensor, list[int]]:
         """prev [B, d], c [B] contexts, tab [B * width / block_size] their blocks (flat, int64),
         width >= every context -> (drafts [B, k'], drafts to verify per row)."""
         b = prev.shape[0]
         counts = [k] * b
         alive = [True] * b
-        first, conf = self._argmax(prev)
+        first, conf = self._argmax(prev, guide, 0, None)
         drafts = [first]
         if self._stop(conf, 0, counts, alive) or k == 1:
             return torch.stack(drafts, dim=1), counts
@@ -308,7 +317,7 @@ class PagedDrafter:
                     attn_mask=None if mask is None else mask[..., :n], scale=self.scale, enable_gqa=groups > 1,
                 )[:, :, 0, :]  # [B, H, hd]
             prev = self._finish(x, o)
-            token, conf = self._argmax(prev)
+            token, conf = self._argmax(prev, guide, depth - 1, drafts[-1])
             drafts.append(token)
             if self._stop(conf, depth - 1, counts, alive):
                 break
@@ -324,10 +333,18 @@ class PagedDrafter:
                 counts[i] = j
         return not any(alive)
 
-    def _argmax(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, d] -> token ids [B], and their drafter probabilities [B] when min_confidence is set."""
+    def _argmax(self, out: torch.Tensor, guide: DraftMasks | None = None, j: int = 0,
+                last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, d] -> token ids [B], and their drafter probabilities [B] when min_confidence is set; a
+        guide masks draft j's logits with the grammar (last: draft j-1, full-vocabulary ids)."""
         logits = self.mm_head(self._unit(out))
+        allowed = None if guide is None else guide.for_depth(j, last)
+        if allowed is not None:
+            free = logits.argmax(-1)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         best = logits.argmax(-1)
+        if allowed is not None:
+            guide.note(j, best, free)
         conf = None
         if self.min_confidence > 0:
             conf = logits.float().softmax(-1).gather(-1, best[:, None])[:, 0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -112,6 +113,8 @@ class Engine:
         self._step_lock: asyncio.Lock | None = None
         self.steps = 0
         self.ready = False
+        self._grammars = None  # specialists/grammar.py's compiler, made on first use
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,
@@ -136,6 +139,17 @@ class Engine:
         size = opts.draft_vocab_size
         vocab = read_draft_vocab(Path(path), size) if drafter is not None and size != 0 else None
         return cls(model, tokenizer, cfg, drafter=drafter, policy=policy, draft_vocab=vocab)
+
+    def grammar(self, spec):  # noqa: ANN001, ANN201 - GrammarSpec -> Constraint (specialists/grammar.py)
+        """A request's grammar compiled for this engine's tokenizer (cached per spec), to pass as
+        SamplingParams.grammar. Thread-safe and slow on a cache miss: call it off the engine thread.
+        Raises specialists.grammar.GrammarError for a grammar that cannot be compiled."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from specialists.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.speculator.vocab_size, self.eos_ids)
+        return self._grammars.compile(spec)
 
     def set_policy(self, policy: SpeculationPolicy) -> None:
         """Switch the speculation policy live (takes effect at the next step)."""
@@ -170,7 +184,8 @@ class Engine:
                    for k in (ks if spec else [0]))  # every K auto may pick
 
     def metrics(self) -> dict:
-        return {**self.stats, **self.totals.as_dict(), "gate": self.gate.snapshot()}
+        grammars = self._grammars.stats() if self._grammars is not None else {}
+        return {**self.stats, **self.totals.as_dict(), **grammars, "gate": self.gate.snapshot()}
 
     @property
     def stats(self) -> dict:
@@ -196,6 +211,8 @@ class Engine:
         seq.stats.arrival_time = time.monotonic()
         seq.stats.prompt_tokens = len(ids)
         seq.in_tool = self.triggers.open_segment(ids)
+        if params.grammar is not None:  # a tool call's grammar starts at once when the prompt opened the call
+            seq.guide = params.grammar.new_guide(seq.in_tool)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -247,6 +264,7 @@ class Engine:
 
         t0 = time.perf_counter()
         kept, events = self._cut_runs(rows, out, status)
+        self._commit_grammars(rows, out, kept)
         pending = self.snapshots.capture(rows, kept) if self.snapshots is not None else []
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
         if pending:  # the committed blocks' entries exist now
@@ -308,6 +326,24 @@ class Engine:
             self.gate.observe(drafted, accepted)
         return kept, events
 
+    def _commit_grammars(self, rows: list, out, kept: list[int]) -> None:
+        """Each guided row's grammar takes exactly the tokens kept (the same as KV and SSM); the step's
+        mask time is shared among its guided rows."""
+        guided = [(row, run, n) for row, run, n in zip(rows, out.runs, kept) if row.seq.guide is not None and row.seq.guide.active]
+        if not guided:
+            return
+        share = out.mask_s / len(guided)
+        for row, run, n in guided:
+            g = row.seq.guide
+            g.commit(run[:n])
+            g.mask_s += share
+            drafts, masked, mask_s = g.take_counts()
+            row.seq.stats.record_grammar(drafts, masked, mask_s)
+            self.totals.grammar_drafts += drafts
+            self.totals.grammar_masked_drafts += masked
+            self.totals.grammar_mask_s += mask_s
+        self.totals.grammar_steps += 1
+
     def _check_invariants(self) -> None:
         for seq in self.scheduler.running:
             if self.kv.num_computed(seq.seq_id) != len(seq.all_ids) - 1:
@@ -342,6 +378,8 @@ class Engine:
             reason = "tool_calls"
         elif event == "tool_open":
             seq.in_tool = True
+            if seq.guide is not None:  # tool_choice auto: the call's grammar starts after <tool_call>
+                seq.guide.tool_opened()
         if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.cfg.max_model_len):
             reason = "length"
         seq.text = self.tokenizer.decode(visible)

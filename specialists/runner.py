@@ -154,14 +154,15 @@ class Runner:
 
     # ---- batches -----------------------------------------------------------------------------
 
-    def build(self, rows: list[BatchRow], lookahead: int = 0) -> tuple[ForwardBatch, ForwardBatch]:
+    def build(self, rows: list[BatchRow], lookahead: int = 0, static: bool = True) -> tuple[ForwardBatch, ForwardBatch]:
         """rows -> (the padded batch the model runs, the real rows' batch: a prefix of the same buffers);
-        a static batch's width also covers `lookahead` more tokens per row (multi-step decodes)."""
+        a static batch's width also covers `lookahead` more tokens per row (multi-step decodes); static
+        False: eager whatever the shape (a step whose logits are masked before acceptance)."""
         if not rows:
             raise ValueError("empty batch")
         starts = [self.kv.num_computed(r.seq_id) for r in rows]
         tables = [self.kv.block_table(r.seq_id) for r in rows]
-        lay = self._layout(rows, tables)
+        lay = self._layout(rows, tables, static)
         n_logits = self._write_rows(rows, starts, tables, lay)
         if lay.Bp > lay.B:
             self._pad_rows(lay.B, lay.Bp, lay.T, lay.q_pad, lay.static, lay.width)
@@ -181,13 +182,13 @@ class Runner:
         real = batch(B, lay.T, n_logits)
         return (batch(lay.Bp, lay.Tp, lay.Tp if lay.static else n_logits) if lay.Bp > B else real), real
 
-    def _layout(self, rows: list[BatchRow], tables: list[list[int]]) -> _Layout:
+    def _layout(self, rows: list[BatchRow], tables: list[list[int]], allow_static: bool = True) -> _Layout:
         qlens = [r.q for r in rows]
         if 0 in qlens:
             raise ValueError(f"seq {rows[qlens.index(0)].seq_id}: no new tokens")
         B, q = len(rows), qlens[0]
         uniform = not any(r.prefill for r in rows) and len(set(qlens)) == 1
-        static = uniform and self.static_batch(B, q)
+        static = allow_static and uniform and self.static_batch(B, q)
         pad = 0
         if static or (self.pad_batches and uniform and q <= self.kv.block_size):
             pad = bucket_size(B) - B
@@ -295,11 +296,12 @@ class Runner:
     # ---- forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, rows: list[BatchRow], drafts: torch.Tensor | None = None, rebuild: Rebuild | None = None) -> StepResult:
+    def run(self, rows: list[BatchRow], drafts: torch.Tensor | None = None, rebuild: Rebuild | None = None,
+            static: bool = True) -> StepResult:
         """One target forward. drafts [n, kmax] (device): see _place_drafts. `rebuild` (a static batch
         only): the drafter's rebuild, run after the forward (in its graph) with each token's argmax as
-        the next token."""
-        batch, real = self.build(rows)
+        the next token. static False: eager (its logits are masked before acceptance)."""
+        batch, real = self.build(rows, static=static)
         if drafts is not None:
             self._place_drafts(batch, rows, drafts)
         if not batch.static:

@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ class Sequence:
     spec_k: int = 0  # drafts to verify this step (set by the engine before scheduling)
     decode_steps: int = 1  # greedy plain decodes this step may run in one forward (specialists/multistep.py)
     in_tool: bool = False  # inside a tool-call segment: decoded without speculation
+    guide: Any = None  # spec.grammar.Guide: the request's grammar (None: free text)
     draft_ok: bool = False  # the drafter's entries cover every committed token
     stats: RequestStats = field(default_factory=RequestStats)
 

@@ -252,7 +252,8 @@ class GenerationTimeline:
 
 
 DECODE_ATTRIBUTES = ("drafted", "accepted", "mean_accepted_length", "acceptance_rate", "rollbacks", "steps",
-                     "spec_steps", "draft_s", "verify_s", "commit_s", "accepted_by_position", "ks")
+                     "spec_steps", "draft_s", "verify_s", "commit_s", "accepted_by_position", "ks",
+                     "grammar_steps", "grammar_drafts", "grammar_masked_drafts", "grammar_mask_s")
 
 
 def _attr(value: Any) -> Any:

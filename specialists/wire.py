@@ -10,6 +10,29 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class ToolGrammar(BaseModel):
+    """One offered function: its name and (repaired, checked) parameters schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False  # a schema the grammar cannot build is a 400 (strict) or any JSON object (not)
+
+
+class GrammarSpec(BaseModel):
+    """What the output must follow (specialists/grammar.py compiles it for the specialist's tokenizer):
+    `json_object`, `json_schema` (`schema_`), or `tool_call` (one call to one of `tools`, its body
+    after `<tool_call>`; `activate_on_tool_open`: only once the model opens a call)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    kind: Literal["json_object", "json_schema", "tool_call"]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    tools: list[ToolGrammar] = Field(default_factory=list)
+    activate_on_tool_open: bool = False
+
+
 class GenerateRequest(BaseModel):
     """What the router sends a specialist: the rendered prompt and sampling settings."""
 
@@ -23,6 +46,7 @@ class GenerateRequest(BaseModel):
     top_k: int = Field(0, ge=0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    grammar: GrammarSpec | None = None  # constrained decoding (tool calls, response_format)
     trace_context: dict[str, str] = Field(default_factory=dict)
 
 

@@ -104,12 +104,16 @@ def test_tool_choice_plans():
     assert plan_tools(request()).prompt_tools is None
     auto = plan_tools(request(tools=SHELL_TOOLS))
     assert auto.parse_calls and not auto.forced and len(auto.prompt_tools) == 2
+    # auto: the call's grammar waits for the model's <tool_call>, and offers every tool
+    assert auto.grammar.kind == "tool_call" and auto.grammar.activate_on_tool_open
+    assert [t.name for t in auto.grammar.tools] == [t["function"]["name"] for t in SHELL_TOOLS]
     none = plan_tools(request(tools=SHELL_TOOLS, tool_choice="none"))
-    assert none.prompt_tools is None and not none.parse_calls
+    assert none.prompt_tools is None and not none.parse_calls and none.grammar is None
     required = plan_tools(request(tools=SHELL_TOOLS, tool_choice="required"))
-    assert required.forced_prefix == '<tool_call>{"name": "'
+    assert required.forced_prefix == "<tool_call>" and not required.grammar.activate_on_tool_open
+    assert len(required.grammar.tools) == 2
     named = plan_tools(request(tools=SHELL_TOOLS, tool_choice={"type": "function", "function": {"name": "man_page"}}))
-    assert named.forced_prefix == '<tool_call>{"name": "man_page", "arguments":'
+    assert named.forced_prefix == "<tool_call>" and [t.name for t in named.grammar.tools] == ["man_page"]
     with pytest.raises(BadRequestError):
         plan_tools(request(tools=SHELL_TOOLS, tool_choice={"type": "function", "function": {"name": "rm_rf"}}))
     with pytest.raises(BadRequestError):
@@ -291,12 +295,16 @@ def test_streamed_tool_call_matches_non_streamed(client):
 
 
 def test_schema_invalid_arguments_are_reported(client):
-    """A tool whose schema the model's call cannot satisfy: the call comes back with an error beside it."""
+    """A non-strict tool whose schema uses a keyword the grammar cannot enforce (uniqueItems): the
+    grammar drops it, forces the only call its other keywords allow ([7, 7]), and the call comes back
+    with the validation error beside it."""
     strict = [{"type": "function", "function": {"name": "man_page", "description": "Show a manual page.",
                                                  "parameters": {"type": "dict", "properties": {
-                                                     "name": {"type": "str", "pattern": "^[0-9]+$"},
-                                                     "section": {"type": "int"}}, "required": ["name", "section"]}}}]
+                                                     "sections": {"type": "array", "items": {"enum": [7]}, "minItems": 2,
+                                                                  "maxItems": 2, "uniqueItems": True}},
+                                                     "required": ["sections"]}}}]
     msg = chat(client, model="shell", messages=[{"role": "user", "content": "Show the man page of `tar`."}],
                tools=strict, tool_choice="required").json()["choices"][0]["message"]
     assert msg["tool_calls"][0]["function"]["name"] == "man_page"
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"sections": [7, 7]}
     assert msg["tool_call_errors"] and "schema" in msg["tool_call_errors"][0]["error"]

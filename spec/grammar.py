@@ -1,0 +1,216 @@
+"""Grammar-constrained decoding under speculation: a token mask per row and position, drafts proposed
+under it, and the grammar state committed with exactly the kept tokens (the same commit as KV and SSM).
+
+A sequence with a grammar carries a `Guide`: a matcher (duck-typed; specialists/grammar.py wraps
+xgrammar's GrammarMatcher) and whether it constrains now (a tool call's grammar waits for the
+`<tool_call>` token). One speculative step of a guided row, with drafts d1..dk:
+
+  draft    before the drafter picks d_j the host fills the mask of the state after d_1..d_{j-1} and
+           the drafter's logits are masked with it (`DraftMasks.for_depth`); d_j is then fed to the
+           matcher (a draft that the grammar refuses ends the row's drafts: none should, they are
+           masked); after the chain the mask after d_k is filled too, and the matcher is rolled back
+           by every draft it took: the state is the committed one again
+  verify   the target's logits at position j (after [last, d1..d_j]) are masked with mask j, on the
+           device, before acceptance: greedy takes the masked argmax, rejection sampling the masked
+           (renormalised) distribution, so it stays lossless with respect to the masked target
+  commit   the engine feeds the matcher the tokens it kept (after its trigger cut)
+
+A row that does not draft (a prefill, a plain step) gets mask 0 only. Masks are xgrammar's bitmask
+layout: int32 words [n, ceil(V / 32)], bit b of word w allows token 32 w + b. They are filled on the
+host and reach the device in one copy per use; steps with a guided row run eagerly (no CUDA graph, no
+drafting ahead), and their drafter chain reads each depth's drafts on the host (a device sync per
+depth on a GPU; free on a CPU).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class GrammarViolation(RuntimeError):
+    """The engine kept a token the request's grammar refuses (a bug: every kept token was masked)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bits [n, W] int32 (any device) -> allowed [n, vocab_size] bool on the same device."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
+
+
+@torch.inference_mode()
+def apply_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> None:
+    """logits [N, V] (in place): rows[i] keeps only the tokens bits[i] allows (-inf elsewhere)."""
+    if not rows:
+        return
+    dev = logits.device
+    allowed = unpack_bitmask(bits.to(dev, non_blocking=True), logits.shape[1])  # [n, V]
+    idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+
+
+@dataclass
+class Guide:
+    """A sequence's grammar. `activate_on_tool_open`: it starts constraining at the `<tool_call>` token
+    (a tool call under tool_choice auto); otherwise from the first output token."""
+
+    matcher: Any  # fill_next_token_bitmask(bits, index), accept_token(id) -> bool, rollback(n), is_terminated()
+    active: bool
+    activate_on_tool_open: bool = False
+    drafts: int = 0  # drafts proposed under this grammar
+    masked_drafts: int = 0  # drafts the mask changed (the drafter's own choice was not allowed)
+    mask_s: float = 0.0  # host time filling masks and committing tokens
+    _reported: tuple[int, int, float] = (0, 0, 0.0)
+
+    def commit(self, tokens: list[int]) -> None:
+        """The kept tokens of a step, in order (KV and SSM keep the same ones)."""
+        t0 = time.perf_counter()
+        for t in tokens:
+            if not self.matcher.accept_token(int(t)):
+                raise GrammarViolation(f"token {t} was kept but the grammar refuses it")
+        if self.matcher.is_terminated():  # its end was kept: nothing left to constrain
+            self.active = False
+        self.mask_s += time.perf_counter() - t0
+
+    def take_counts(self) -> tuple[int, int, float]:
+        """(drafts, masked drafts, mask seconds) since the last call: what the engine reports per step."""
+        out = (self.drafts - self._reported[0], self.masked_drafts - self._reported[1], self.mask_s - self._reported[2])
+        self._reported = (self.drafts, self.masked_drafts, self.mask_s)
+        return out
+
+    def tool_opened(self) -> None:
+        if self.activate_on_tool_open:
+            self.active = True
+
+
+def active_guide(seq: Any) -> Guide | None:
+    g = getattr(seq, "guide", None)
+    return g if g is not None and g.active else None
+
+
+@dataclass
+class StepMasks:
+    """The masks of one step's guided rows: row b (batch order) has masks for positions 0..n_b, filled
+    on the host. Rows without a guide are not here."""
+
+    vocab_size: int
+    kmax: int
+    rows: dict[int, Guide]  # batch row -> its guide
+    bits: torch.Tensor = field(init=False)  # [len(rows), kmax + 1, W] int32, host
+    slot: dict[int, int] = field(init=False)  # batch row -> index into bits
+    filled: dict[int, int] = field(init=False)  # batch row -> positions filled (1 + drafts it may verify)
+    mask_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.bits = torch.full((len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        self.slot = {b: i for i, b in enumerate(self.rows)}
+        self.filled = {b: 0 for b in self.rows}
+
+    def fill(self, b: int) -> None:
+        """The mask of row b's next position, from its matcher's current state."""
+        t0 = time.perf_counter()
+        j = self.filled[b]
+        self.rows[b].matcher.fill_next_token_bitmask(self.bits[self.slot[b]], j)
+        self.filled[b] = j + 1
+        self.mask_s += time.perf_counter() - t0
+
+    def fill_first(self) -> None:
+        """Mask 0 of every guided row (the committed state)."""
+        for b in self.rows:
+            if self.filled[b] == 0:
+                self.fill(b)
+
+    def logits_rows(self, counts: list[int]) -> tuple[list[int], torch.Tensor]:
+        """counts[b]: row b's logits rows this step (1 for a prefill, 1 + k for a verify) -> (flat logits
+        rows to mask, their masks [n, W])."""
+        rows, parts = [], []
+        start = 0
+        for b, m in enumerate(counts):
+            if b in self.rows:
+                n = min(m, self.filled[b])
+                rows.extend(range(start, start + n))
+                parts.append(self.bits[self.slot[b], :n])
+            start += m
+        return rows, (torch.cat(parts) if parts else self.bits[:0, 0])
+
+
+class DraftMasks:
+    """The drafter chain's side of a step's masks, for the chain's rows `chain_rows` (batch rows, in
+    the chain's order): `for_depth(j, last)` feeds the previous drafts to the matchers and returns the
+    mask over the drafter's vocabulary for draft j; `finish(last)` fills the mask after the last draft
+    and rolls every matcher back. `counts[i]`: drafts chain row i may verify (a refused draft ends it)."""
+
+    def __init__(self, masks: StepMasks, chain_rows: list[int], k: int, draft_vocab: torch.Tensor | None,
+                 device: torch.device) -> None:
+        self.masks, self.k = masks, k
+        self.guided = [(i, b) for i, b in enumerate(chain_rows) if b in masks.rows]
+        self.n = len(chain_rows)
+        self.counts = [k] * self.n
+        self.taken = {b: 0 for _, b in self.guided}  # drafts each matcher has accepted this step
+        self.vocab = draft_vocab
+        self.device = device
+        self._unmasked: list[torch.Tensor] = []
+
+    def _feed(self, j: int, last: torch.Tensor) -> None:
+        """Draft j-1 (last [n]) into each guided row still drafting; then that row's mask j."""
+        host = last.tolist()
+        for i, b in self.guided:
+            if self.counts[i] < j:  # ended already
+                continue
+            m = self.masks.rows[b].matcher
+            t0 = time.perf_counter()
+            ok = not m.is_terminated() and m.accept_token(int(host[i]))
+            self.masks.mask_s += time.perf_counter() - t0
+            if not ok:
+                self.counts[i] = j - 1
+                continue
+            self.taken[b] += 1
+            if m.is_terminated():  # draft j-1 ends the grammar (an end of turn): the row's last draft
+                self.counts[i] = j
+                continue
+            self.masks.fill(b)
+
+    def for_depth(self, j: int, last: torch.Tensor | None) -> torch.Tensor | None:
+        """-> allowed [n, N] bool over the drafter's vocabulary for draft j (0-based), None if no row is
+        guided. `last`: draft j-1 of every chain row (None for j = 0)."""
+        if not self.guided:
+            return None
+        if j == 0:
+            for _, b in self.guided:
+                if self.masks.filled[b] == 0:
+                    self.masks.fill(b)
+        else:
+            self._feed(j, last)
+        bits = torch.full((self.n, self.masks.bits.shape[-1]), -1, dtype=torch.int32)
+        for i, b in self.guided:
+            if self.counts[i] >= j + 1:
+                bits[i] = self.masks.bits[self.masks.slot[b], j]
+        allowed = unpack_bitmask(bits.to(self.device), self.masks.vocab_size)
+        return allowed if self.vocab is None else allowed[:, self.vocab]
+
+    def note(self, j: int, chosen: torch.Tensor, unmasked: torch.Tensor) -> None:
+        """Draft j as chosen under the mask and as the drafter would have chosen it (both [n])."""
+        self._unmasked.append((chosen != unmasked))
+
+    def finish(self, last: torch.Tensor, drafted: int) -> None:
+        """After the chain (`drafted` drafts per row): the mask after the last draft, then every matcher
+        rolled back to the committed state; the drafts' counts into the guides."""
+        if not self.guided:
+            return
+        self._feed(drafted, last)
+        changed = torch.stack(self._unmasked, dim=1).tolist() if self._unmasked else [[] for _ in range(self.n)]
+        for i, b in self.guided:
+            g = self.masks.rows[b]
+            n = min(self.counts[i], drafted)
+            self.counts[i] = n
+            g.drafts += n
+            g.masked_drafts += sum(changed[i][:n])
+            if self.taken[b]:
+                g.matcher.rollback(self.taken[b])

@@ -1,0 +1,151 @@
+"""Grammars for a specialist's tokenizer: a request's `GrammarSpec` (specialists/wire.py) compiled with
+xgrammar into a `Constraint` that the engine turns into a per-request `spec.grammar.Guide`.
+
+Why xgrammar (0.2.8): on this CPU a mask fill costs a median 1.9 us at a 4,096-token vocabulary and
+3.1 us at 49,152 (llguidance 1.9.1: 7.0 / 10.7 us; bench/results/grammar_mask_cpu.jsonl), it rolls a
+matcher back by any number of tokens (what speculation needs), and it brings no CUDA package.
+
+Kinds:
+  json_object   any JSON object (OpenAI's `{"type": "json_object"}`)
+  json_schema   a JSON schema (`{"type": "json_schema", ...}`), objects closed (xgrammar's strict mode: no
+                properties or items beyond the schema's, so the output is valid with or without `strict`)
+  tool_call     the body of one call, `{"name": <an offered name>, "arguments": <valid for its schema>}`,
+                after the `<tool_call>` token: it ends with `</tool_call>` (the engine's tool_close
+                trigger) where that is one token, with the literal text and an end of turn otherwise.
+                Active from the start when the prompt ends with `<tool_call>` (tool_choice required or a
+                named function), else from the first `<tool_call>` the model writes (tool_choice auto).
+
+Output is compact JSON with the separators the chat template uses (", ", ": "): a small model that
+may not write whitespace cannot wander in it. Control tokens (<|im_end|>, <tool_call>, ...) are never
+text inside a grammar; the end of turn is allowed once the grammar is complete.
+
+Schemas come from clients: router/schema_guard.py refuses unsupported keywords and non-local
+references before a spec reaches here; here compile time is bounded (`compile_timeout_s`, in a worker
+thread) and compiled grammars are kept in an LRU cache keyed by the spec's canonical JSON.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import xgrammar as xgr
+
+from spec.grammar import Guide
+from specialists.chat import TOOL_CALL_CLOSE
+from specialists.wire import GrammarSpec
+
+SEPARATORS = (", ", ": ")  # json.dumps' defaults: what the chat template renders
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled (a bad schema, or one over the compile budget): a 400."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A compiled grammar for one tokenizer; `new_guide` gives each request its own matcher."""
+
+    compiled: Any  # xgrammar.CompiledGrammar
+    stop_tokens: tuple[int, ...]  # allowed once the grammar is complete
+    on_tool_open: bool  # a tool call's body: starts at the <tool_call> token
+
+    def new_guide(self, in_tool: bool) -> Guide:
+        matcher = xgr.GrammarMatcher(self.compiled, override_stop_tokens=list(self.stop_tokens))
+        return Guide(matcher, active=not self.on_tool_open or in_tool, activate_on_tool_open=self.on_tool_open)
+
+
+def _literal(text: str) -> str:
+    """An EBNF rule matching exactly `text`."""
+    return "root ::= " + json.dumps(text, ensure_ascii=False)
+
+
+class GrammarCompiler:
+    """One per engine: `compile(spec)` -> Constraint (cached). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, end_ids: set[int] | frozenset[int], *,
+                 cache_size: int = 128, compile_timeout_s: float = 10.0, max_schema_bytes: int = 65536) -> None:
+        """`vocab_size`: the logits' width (masks cover it); `end_ids`: end-of-turn tokens."""
+        self.end_ids = tuple(sorted(end_ids))
+        encoded = [""] * len(tokenizer)
+        for text, i in tokenizer.get_vocab().items():
+            if i < len(encoded):
+                encoded[i] = text
+        control = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        for i in control:
+            if i < len(encoded):
+                encoded[i] = ""  # xgrammar treats an empty token as special: never text
+        self.info = xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+                                      stop_token_ids=list(self.end_ids))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
+        self.tool_close = close if isinstance(close, int) and close in control else None
+        self.cache_size, self.timeout_s, self.max_schema_bytes = cache_size, compile_timeout_s, max_schema_bytes
+        self._cache: OrderedDict[str, Constraint] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.hits = self.misses = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def compile(self, spec: GrammarSpec) -> Constraint:
+        key = spec.model_dump_json()
+        if len(key) > self.max_schema_bytes:
+            raise GrammarError(f"the grammar's schemas are {len(key)} bytes; at most {self.max_schema_bytes}")
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        future = self._pool.submit(self._build, spec)
+        try:
+            made = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise GrammarError(f"the schema took more than {self.timeout_s:g} s to compile") from None
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = made
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return made
+
+    def _schema_grammar(self, schema: dict[str, Any]) -> Any:
+        try:
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS,
+                                                strict_mode=True)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError on bad schemas
+            raise GrammarError(f"cannot build a grammar for the schema: {exc}") from None
+
+    def _build(self, spec: GrammarSpec) -> Constraint:
+        if spec.kind == "json_object":
+            return Constraint(self._compiler.compile_builtin_json_grammar(), self.end_ids, False)
+        if spec.kind == "json_schema":
+            grammar = self._schema_grammar(spec.schema_ or {})
+            return Constraint(self._compiler.compile_grammar(grammar), self.end_ids, False)
+        calls = []
+        for tool in spec.tools:
+            head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
+            try:
+                args = self._schema_grammar(tool.parameters)
+            except GrammarError:
+                if tool.strict:
+                    raise
+                args = self._schema_grammar({"type": "object"})  # best effort, as a non-strict call is
+            calls.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(head)), args,
+                                            xgr.Grammar.from_ebnf(_literal("}"))))
+        body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+        if self.tool_close is not None:  # the grammar ends at `}`; then only the </tool_call> token
+            return Constraint(self._compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open)
+        body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(_literal(TOOL_CALL_CLOSE)))
+        return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open)
+
+    def stats(self) -> dict[str, int]:
+        return {"grammar_cache_hits": self.hits, "grammar_cache_misses": self.misses, "grammar_cache_size": len(self._cache)}
