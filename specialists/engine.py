@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 import time
@@ -64,6 +65,19 @@ class RequestOutput:
     stats: RequestStats | None = None  # shared, live: read it, do not keep it across steps
 
 
+def _serving_hints(path: Path) -> dict:
+    """The checkpoint's serving hints: cantata.json's "serving" object (e.g. its grammar bounds)."""
+    meta = path / "cantata.json"
+    if not meta.is_file():
+        return {}
+    try:
+        hints = json.loads(meta.read_text()).get("serving", {})
+    except (ValueError, AttributeError):
+        log.warning("unreadable %s: no serving hints", meta)
+        return {}
+    return hints if isinstance(hints, dict) else {}
+
+
 def _merge_status(before: str, now: str) -> str:
     """A request that ever fell back says so; otherwise on if it ever speculated."""
     if "fallback" in (before, now):
@@ -73,9 +87,12 @@ def _merge_status(before: str, now: str) -> str:
 
 class Engine:
     def __init__(self, model, tokenizer, cfg: EngineConfig, *, drafter: MTPDrafter | None = None,
-                 policy: SpeculationPolicy | None = None, draft_vocab: torch.Tensor | None = None) -> None:
+                 policy: SpeculationPolicy | None = None, draft_vocab: torch.Tensor | None = None,
+                 grammar_bounds: dict | None = None) -> None:
         """`cfg`: resolved options (EngineOptions.resolve); `drafter`: the checkpoint's MTP drafter (None:
-        no speculation); `draft_vocab`: [N] token ids the drafter may propose (None: all)."""
+        no speculation); `draft_vocab`: [N] token ids the drafter may propose (None: all);
+        `grammar_bounds`: specialists/grammar.Bounds' fields for constrained decoding."""
+        self.grammar_bounds = dict(grammar_bounds or {})
         self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, cfg.device
         hybrid = model.num_mamba_layers > 0
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
@@ -138,7 +155,8 @@ class Engine:
                 log.warning("%s has no MTP drafter: speculation off", path)
         size = opts.draft_vocab_size
         vocab = read_draft_vocab(Path(path), size) if drafter is not None and size != 0 else None
-        return cls(model, tokenizer, cfg, drafter=drafter, policy=policy, draft_vocab=vocab)
+        bounds = opts.grammar_bounds if opts.grammar_bounds is not None else _serving_hints(Path(path)).get("grammar_bounds")
+        return cls(model, tokenizer, cfg, drafter=drafter, policy=policy, draft_vocab=vocab, grammar_bounds=bounds)
 
     def grammar(self, spec):  # noqa: ANN001, ANN201 - GrammarSpec -> Constraint (specialists/grammar.py)
         """A request's grammar compiled for this engine's tokenizer (cached per spec), to pass as
@@ -146,9 +164,10 @@ class Engine:
         Raises specialists.grammar.GrammarError for a grammar that cannot be compiled."""
         with self._grammars_lock:
             if self._grammars is None:
-                from specialists.grammar import GrammarCompiler
+                from specialists.grammar import Bounds, GrammarCompiler
 
-                self._grammars = GrammarCompiler(self.tokenizer, self.speculator.vocab_size, self.eos_ids)
+                self._grammars = GrammarCompiler(self.tokenizer, self.speculator.vocab_size, self.eos_ids,
+                                                 bounds=Bounds(**self.grammar_bounds))
         return self._grammars.compile(spec)
 
     def set_policy(self, policy: SpeculationPolicy) -> None:

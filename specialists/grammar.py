@@ -16,8 +16,11 @@ Kinds:
                 named function), else from the first `<tool_call>` the model writes (tool_choice auto).
 
 Output is compact JSON with the separators the chat template uses (", ", ": "): a small model that
-may not write whitespace cannot wander in it. Control tokens (<|im_end|>, <tool_call>, ...) are never
-text inside a grammar; the end of turn is allowed once the grammar is complete.
+may not write whitespace cannot wander in it. Control tokens (<|im_end|>, <tool_call>, ...) and
+tokens holding a raw control character (a tab, a newline: never valid in compact JSON) are never text
+inside a grammar; the end of turn is allowed once the grammar is complete. `Bounds` (per checkpoint,
+cantata.json "serving") narrow unbounded strings, arrays and numbers so that a small model closes its
+JSON within a reply's budget.
 
 Schemas come from clients: router/schema_guard.py refuses unsupported keywords and non-local
 references before a spec reaches here; here compile time is bounded (`compile_timeout_s`, in a worker
@@ -55,8 +58,47 @@ class Constraint:
     on_tool_open: bool  # a tool call's body: starts at the <tool_call> token
 
     def new_guide(self, in_tool: bool) -> Guide:
-        matcher = xgr.GrammarMatcher(self.compiled, override_stop_tokens=list(self.stop_tokens))
+        matcher = xgr.GrammarMatcher(self.compiled)  # its stop tokens are its compiler's (never overridden:
+        # xgrammar would then let the tokenizer's own stop tokens through as text)
         return Guide(matcher, active=not self.on_tool_open or in_tool, activate_on_tool_open=self.on_tool_open)
+
+
+SAFE_INTEGER = 2**53 - 1  # JSON numbers every parser reads exactly (RFC 8259, section 6)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits the grammar adds where a schema sets none, so that a small model closes its JSON within a
+    reply's budget (a model that repeats itself would otherwise write digits or items until max_tokens).
+    Output under them is still valid for the schema: they only narrow it. Integers are always kept to
+    JSON's safe range; None leaves a dimension unbounded."""
+
+    max_string: int | None = None  # characters of a string without maxLength / enum / const / pattern / format
+    max_items: int | None = None  # items of an array without maxItems
+    number_range: float | None = None  # |x| <= this for a number without minimum / maximum (also bounds its digits)
+
+
+def bounded(schema: Any, bounds: Bounds, depth: int = 0) -> Any:
+    """A copy of `schema` with `bounds` added where it has none (subschemas included)."""
+    if isinstance(schema, list):
+        return [bounded(v, bounds, depth + 1) for v in schema]
+    if not isinstance(schema, dict) or depth > 64:
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples", "required") else
+               {n: bounded(x, bounds, depth + 1) for n, x in v.items()} if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict)
+               else bounded(v, bounds, depth + 1)) for k, v in schema.items()}
+    kinds = out.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    free = not any(k in out for k in ("enum", "const", "$ref"))
+    if free and "integer" in kinds and "minimum" not in out and "maximum" not in out and "exclusiveMinimum" not in out and "exclusiveMaximum" not in out:
+        out.update(minimum=-SAFE_INTEGER, maximum=SAFE_INTEGER)
+    if free and "number" in kinds and bounds.number_range is not None and not any(k in out for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        out.update(minimum=-bounds.number_range, maximum=bounds.number_range)
+    if free and "string" in kinds and bounds.max_string is not None and not any(k in out for k in ("maxLength", "pattern", "format")):
+        out["maxLength"] = max(bounds.max_string, int(out.get("minLength", 0)))
+    if free and "array" in kinds and bounds.max_items is not None and "maxItems" not in out:
+        out["maxItems"] = max(bounds.max_items, int(out.get("minItems", 0)))
+    return out
 
 
 def _literal(text: str) -> str:
@@ -68,22 +110,33 @@ class GrammarCompiler:
     """One per engine: `compile(spec)` -> Constraint (cached). Thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, end_ids: set[int] | frozenset[int], *,
-                 cache_size: int = 128, compile_timeout_s: float = 10.0, max_schema_bytes: int = 65536) -> None:
-        """`vocab_size`: the logits' width (masks cover it); `end_ids`: end-of-turn tokens."""
+                 bounds: Bounds = Bounds(), cache_size: int = 128, compile_timeout_s: float = 10.0,
+                 max_schema_bytes: int = 65536) -> None:
+        """`vocab_size`: the logits' width (masks cover it); `end_ids`: end-of-turn tokens; `bounds`: what
+        the grammar adds to schemas that leave strings, arrays or numbers unbounded."""
+        self.bounds = bounds
         self.end_ids = tuple(sorted(end_ids))
         encoded = [""] * len(tokenizer)
         for text, i in tokenizer.get_vocab().items():
             if i < len(encoded):
                 encoded[i] = text
         control = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        for i in control:
+        # compact JSON never holds a raw control character (JSON forbids them in strings; xgrammar's string
+        # rule lets a tab through): tokens that decode to one are never text either
+        raw = {i for i in range(len(encoded)) if any(ord(ch) < 32 for ch in tokenizer.decode([i]))}
+        for i in control | raw:
             if i < len(encoded):
                 encoded[i] = ""  # xgrammar treats an empty token as special: never text
-        self.info = xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
-                                      stop_token_ids=list(self.end_ids))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
         self.tool_close = close if isinstance(close, int) and close in control else None
+
+        def compiler(stops: tuple[int, ...]) -> Any:  # one per set of tokens that end a grammar
+            info = xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=list(stops))
+            return info, xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+        self.info, self._compiler = compiler(self.end_ids)  # JSON output: ends at an end of turn
+        # a tool call's body: ends at the </tool_call> token (the engine's tool_close trigger)
+        self._tool_compiler = compiler((self.tool_close,))[1] if self.tool_close is not None else self._compiler
         self.cache_size, self.timeout_s, self.max_schema_bytes = cache_size, compile_timeout_s, max_schema_bytes
         self._cache: OrderedDict[str, Constraint] = OrderedDict()
         self._lock = threading.Lock()
@@ -119,7 +172,7 @@ class GrammarCompiler:
 
     def _schema_grammar(self, schema: dict[str, Any]) -> Any:
         try:
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS,
+            return xgr.Grammar.from_json_schema(json.dumps(bounded(schema, self.bounds)), any_whitespace=False, separators=SEPARATORS,
                                                 strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError on bad schemas
             raise GrammarError(f"cannot build a grammar for the schema: {exc}") from None
@@ -143,7 +196,7 @@ class GrammarCompiler:
                                             xgr.Grammar.from_ebnf(_literal("}"))))
         body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
         if self.tool_close is not None:  # the grammar ends at `}`; then only the </tool_call> token
-            return Constraint(self._compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open)
+            return Constraint(self._tool_compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open)
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(_literal(TOOL_CALL_CLOSE)))
         return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open)
 

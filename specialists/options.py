@@ -45,6 +45,10 @@ class EngineOptions:
     static_batches: bool | None = None  # static batches without graphs (None: CANTATA_STATIC_BATCHES=1)
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
+    # what constrained decoding adds where a schema leaves strings, arrays or numbers unbounded
+    # (specialists/grammar.Bounds' fields: max_string, max_items, number_range); None: the checkpoint's
+    # cantata.json "serving": {"grammar_bounds": ...} if any, else none (integers stay in JSON's safe range)
+    grammar_bounds: dict | None = None
 
     @classmethod
     def from_keywords(cls, base: EngineOptions | None = None, **kw) -> EngineOptions:

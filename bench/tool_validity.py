@@ -1,0 +1,206 @@
+"""Tool calls and structured output under constrained decoding, on held-out function schemas.
+
+    python -m bench.tool_validity [--model DIR ...] [--data bench/data/tools/bfcl_heldout.jsonl]
+                                  [--mode tool_required|response_format] [--grammar on|off]
+                                  [--limit N] [--max-tokens 256] [--results FILE]
+
+Each row of the data (BFCL held-out functions and a user question; bench/data/tools/README.md) goes
+through the router's own code, in process: `plan_tools` (tool_choice "required") or `response_grammar`
+(response_format json_schema with the first function's parameters), the chat template, the engine
+with the specialist's drafter and default policy, greedy. A reply counts as valid when:
+
+* tool_required: its first call names an offered function and its arguments parse and validate
+  against that function's (repaired) schema (specialists/chat.validate_arguments);
+* response_format: the reply parses as JSON and validates against the schema.
+
+`--grammar off` runs the same prompts without the grammar (the forced `<tool_call>` prefix stays):
+what the model does on its own. One JSON line per specialist on stdout (and appended to --results):
+valid rate, finish reasons, tokens, masked drafts and mask time, the checkpoint, device and commit.
+
+`--speed` measures what the grammar costs speculation instead, at batch 1 (one request at a time,
+greedy, until the end of turn or --max-tokens): the same prompts with the grammar and without it, each
+through the engine with its drafter (policy on, the checkpoint's K unless --spec-k) and without
+speculation, timed in one run: speedup_free and speedup_grammar (speculative over plain tok/s),
+their ratio, identical outputs, acceptance, and the grammar's mask time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
+from router.api import ChatCompletionRequest
+from router.limits import RequestLimits
+from router.tools import extract_tool_calls, plan_tools, response_grammar, to_template_messages
+from specialists.chat import render, validate_arguments
+from specialists.engine import Engine
+from specialists.sampling import SamplingParams
+
+log = logging.getLogger("bench.tool_validity")
+DATA = Path("bench/data/tools/bfcl_heldout.jsonl")
+DEFAULT_MODELS = ["deploy/models/cpp", "deploy/models/python", "deploy/models/build", "deploy/models/shell",
+                  "deploy/models/general"]
+
+
+def requests_of(rows: list[dict], mode: str) -> list[ChatCompletionRequest]:
+    out = []
+    for row in rows:
+        tools = [{"type": "function", "function": f} for f in row["functions"]]
+        body: dict[str, Any] = {"model": "auto", "messages": row["messages"]}
+        if mode == "tool_required":
+            body.update(tools=tools, tool_choice="required")
+        else:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema_of(row)}}
+        out.append(ChatCompletionRequest.model_validate(body))
+    return out
+
+
+def schema_of(row: dict) -> dict:
+    """The response_format schema of a row: its first function's parameters, repaired as for a tool."""
+    from router.tools import parameters_of
+
+    return parameters_of(row["functions"][0].get("parameters"))
+
+
+def check_reply(req: ChatCompletionRequest, text: str, mode: str) -> tuple[bool, str]:
+    """(valid, why not) of one reply (text: the forced prefix, then what the model wrote)."""
+    if mode == "tool_required":
+        plan = plan_tools(req)
+        got = extract_tool_calls(text, plan)
+        if not got.calls:
+            return False, "no call" if not got.errors else got.errors[0].error
+        call = got.calls[0]
+        schema = plan.schemas.get(call.function.name)
+        if schema is None:
+            return False, f"name {call.function.name!r} not offered"
+        try:
+            args = json.loads(call.function.arguments)
+        except ValueError:
+            return False, "arguments are not JSON"
+        err = validate_arguments(args, schema)
+        return err is None, err or ""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False, "not JSON"
+    err = validate_arguments(value, req.response_format["json_schema"]["schema"])
+    return err is None, err or ""
+
+
+def evaluate(model_dir: str, rows: list[dict], mode: str, grammar: bool, max_tokens: int) -> dict[str, Any]:
+    engine = Engine.from_pretrained(model_dir)
+    reqs = requests_of(rows, mode)
+    prompts, params = [], []
+    limits = RequestLimits()
+    t0 = time.perf_counter()
+    for req in reqs:
+        plan = plan_tools(req)
+        spec = plan.grammar if mode == "tool_required" else response_grammar(req, limits)
+        prompts.append(render(to_template_messages(req.messages), plan.prompt_tools, True) + plan.forced_prefix)
+        params.append(SamplingParams(max_tokens=max_tokens, grammar=engine.grammar(spec) if grammar else None))
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=True)
+    gen_s = time.perf_counter() - t0
+    valid, reasons, failures = 0, Counter(), []
+    for row, req, prompt_prefix, out in zip(rows, reqs, [plan_tools(r).forced_prefix for r in reqs], outs):
+        ok, why = check_reply(req, prompt_prefix + out.text, mode)
+        valid += ok
+        reasons[out.finish_reason] += 1
+        if not ok:
+            failures.append({"id": row["id"], "why": why[:200], "text": out.text[:200]})
+    m = engine.metrics()
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "bench": "tool_validity", "mode": mode, "grammar": grammar, "specialist": Path(model_dir).name,
+        **checkpoint_id(Path(model_dir)), "device": device_name(str(engine.device)), "commit": git_commit(),
+        "requests": len(rows), "valid": valid, "valid_rate": round(valid / max(1, len(rows)), 4),
+        "finish_reasons": dict(reasons), "tokens": tokens, "generate_s": round(gen_s, 2), "compile_s": round(compile_s, 3),
+        "drafted": m["drafted"], "accepted": m["accepted"], "grammar_drafts": m["grammar_drafts"],
+        "grammar_masked_drafts": m["grammar_masked_drafts"], "grammar_mask_s": round(m["grammar_mask_s"], 4),
+        "grammar_steps": m["grammar_steps"], "failures": failures[:5],
+    }
+
+
+def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int) -> dict[str, Any]:
+    """Speculation's speed-up with the grammar and without it, batch 1, on the same prompts."""
+    from policies.policy import SpeculationPolicy
+
+    engines = {"spec": Engine.from_pretrained(model_dir, policy=SpeculationPolicy(mode="on", num_speculative_tokens=k)),
+               "plain": Engine.from_pretrained(model_dir, policy=SpeculationPolicy(mode="off"))}
+    reqs = requests_of(rows, mode)
+    limits = RequestLimits()
+    prompts, specs = [], []
+    for req in reqs:
+        plan = plan_tools(req)
+        specs.append(plan.grammar if mode == "tool_required" else response_grammar(req, limits))
+        prompts.append(render(to_template_messages(req.messages), plan.prompt_tools, True) + plan.forced_prefix)
+    out: dict[str, Any] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for grammar in (False, True):
+        for name, eng in engines.items():
+            eng.generate([prompts[0]], SamplingParams(max_tokens=8))  # warm
+            before = eng.metrics()
+            ids, t = [], 0.0
+            for prompt, spec in zip(prompts, specs):
+                params = SamplingParams(max_tokens=max_tokens, grammar=eng.grammar(spec) if grammar else None)
+                t0 = time.perf_counter()
+                o = eng.generate([prompt], params)[0]
+                t += time.perf_counter() - t0
+                ids.append(o.token_ids)
+            after = eng.metrics()
+            tag = f"{name}_{'grammar' if grammar else 'free'}"
+            tokens[tag] = ids
+            n = sum(len(x) for x in ids)
+            out[f"{tag}_tok_s"] = round(n / t, 2)
+            out[f"{tag}_tokens"] = n
+            if name == "spec":
+                drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
+                out[f"{tag}_acceptance"] = round(accepted / drafted, 4) if drafted else None
+            if grammar:
+                steps = after["grammar_steps"] - before["grammar_steps"]
+                out[f"{tag}_mask_us_per_step"] = round(1e6 * (after["grammar_mask_s"] - before["grammar_mask_s"]) / max(1, steps), 1)
+                if name == "spec":
+                    out["masked_drafts"] = after["grammar_masked_drafts"] - before["grammar_masked_drafts"]
+                    out["grammar_drafts"] = after["grammar_drafts"] - before["grammar_drafts"]
+    free = out["spec_free_tok_s"] / out["plain_free_tok_s"]
+    constrained = out["spec_grammar_tok_s"] / out["plain_grammar_tok_s"]
+    same = lambda a, b: sum(x == y for x, y in zip(tokens[a], tokens[b])) / len(prompts)  # noqa: E731
+    return {"bench": "grammar_speed", "mode": mode, "k": k, "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
+            "device": device_name("cpu"), "commit": git_commit(), "requests": len(rows), "batch_size": 1,
+            "max_tokens": max_tokens, "speedup_free": round(free, 3), "speedup_grammar": round(constrained, 3),
+            "grammar_over_free": round(constrained / free, 3), "identical_spec_free": same("spec_free", "plain_free"),
+            "identical_spec_grammar": same("spec_grammar", "plain_grammar"), **out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.tool_validity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", help="a specialist directory (repeat; default: the five defaults)")
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--mode", choices=["tool_required", "response_format"], default="tool_required")
+    ap.add_argument("--grammar", choices=["on", "off"], default="on")
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--results", type=Path)
+    ap.add_argument("--speed", action="store_true", help="speculation's speed-up with the grammar vs without (batch 1)")
+    ap.add_argument("--spec-k", type=int, default=3, help="with --speed: drafts per step")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    rows = read_jsonl(args.data, args.limit)
+    for model in args.model or DEFAULT_MODELS:
+        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k) if args.speed
+               else evaluate(model, rows, args.mode, args.grammar == "on", args.max_tokens))
+        record(args.results, row)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

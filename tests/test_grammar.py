@@ -1,0 +1,233 @@
+"""Grammar-constrained decoding (spec/grammar.py, specialists/grammar.py) under speculation.
+
+* greedy constrained output with speculation equals it without, on a Llama (shell) and a Bamba
+  hybrid (cpp) specialist, and every output is valid for its schema;
+* the drafter proposes under the mask: every draft a step verifies is one the grammar accepts;
+* after every step a guided sequence's grammar state is the state of exactly its kept tokens
+  (drafts rolled back), also when an oracle's random drafts are mostly rejected;
+* rejection sampling with a mask stays lossless w.r.t. the masked target (chi-square);
+* sampled constrained output is valid; compiled grammars are cached and their compile time bounded;
+* the router refuses unsupported schema features and outside references by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from policies.policy import SpeculationPolicy
+from router.api import BadRequestError, ChatCompletionRequest
+from router.limits import RequestLimits
+from router.tools import plan_tools, response_grammar
+from spec.acceptance import accept
+from spec.grammar import apply_masks, bitmask_words, unpack_bitmask
+from spec.sampling import filtered_probs
+from specialists.chat import render
+from specialists.engine import Engine
+from specialists.grammar import Bounds, GrammarCompiler, GrammarError, bounded
+from specialists.sampling import SamplingParams
+from specialists.wire import GrammarSpec, ToolGrammar
+from tests.test_acceptance import N, Q, TARGET, V, chi2_pvalue
+
+SCHEMA = {"type": "object", "properties": {
+    "command": {"type": "string"}, "count": {"type": "integer"}, "verbose": {"type": "boolean"},
+    "paths": {"type": "array", "items": {"type": "string"}}, "mode": {"enum": ["fast", "safe"]}},
+    "required": ["command", "count", "mode"]}
+QUESTIONS = ["list files sorted by size", "How do I find large files?", "count lines in a file", "show disk usage",
+             "compress a directory", "rename all .txt files"]
+
+
+def _engine(domain: str, mode: str = "on", k: int = 3, **kw) -> Engine:
+    return Engine.from_pretrained(f"deploy/models/{domain}", policy=SpeculationPolicy(mode=mode, num_speculative_tokens=k), **kw)
+
+
+def _prompts(n: int = 6) -> list[str]:
+    return [render([{"role": "user", "content": q}], None, True) for q in QUESTIONS[:n]]
+
+
+def _fresh(engine: Engine, spec: GrammarSpec):
+    return engine.grammar(spec).new_guide(True).matcher
+
+
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # Llama, Bamba hybrid
+def test_constrained_greedy_speculation_equals_plain(domain: str) -> None:
+    spec_engine, plain = _engine(domain), _engine(domain, mode="off")
+    gspec = GrammarSpec(kind="json_schema", schema=SCHEMA)
+    outs = {}
+    for name, eng in (("spec", spec_engine), ("plain", plain)):
+        params = SamplingParams(max_tokens=160, grammar=eng.grammar(gspec))
+        outs[name] = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs["spec"]] == [o.token_ids for o in outs["plain"]]
+    m = spec_engine.metrics()
+    assert m["grammar_drafts"] > 0 and m["accepted"] > 0 and m["grammar_steps"] > 0 and m["grammar_mask_s"] > 0
+    assert 0 <= m["grammar_masked_drafts"] <= m["grammar_drafts"]
+    for o in outs["spec"]:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+        # the grammar accepts exactly the output and its end of turn
+        matcher = _fresh(spec_engine, gspec)
+        assert all(matcher.accept_token(t) for t in o.token_ids) and matcher.is_terminated()
+        assert o.stats.grammar_steps > 0
+
+
+def test_drafts_are_proposed_under_the_mask_and_the_grammar_is_rolled_back() -> None:
+    """Every verified draft is one the grammar accepts at its place; after each step the matcher's
+    next-token mask equals that of a fresh matcher fed exactly the kept tokens."""
+    engine = _engine("shell", k=4)
+    gspec = GrammarSpec(kind="json_schema", schema=SCHEMA)
+    params = SamplingParams(max_tokens=120, grammar=engine.grammar(gspec))
+    orig = engine.speculator._draft
+    checked = []
+
+    def spy(seqs, kmax, guide=None):
+        drafts, counts = orig(seqs, kmax, guide) if guide is not None else orig(seqs, kmax)
+        for i, seq in enumerate(seqs):
+            if seq.guide is not None and seq.guide.active:
+                m = seq.guide.matcher.fork()  # rolled back already: the committed state
+                ok = [m.accept_token(t) for t in drafts[i, :counts[i]].tolist()]
+                checked.append(all(ok))
+        return drafts, counts
+
+    engine.speculator._draft = spy
+    rids = [engine.add_request(p, params) for p in _prompts(4)]
+    words = bitmask_words(engine.speculator.vocab_size)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        for seq in engine.scheduler.running:
+            if seq.guide is None or not seq.guide.active:
+                continue
+            fresh = _fresh(engine, gspec)
+            assert all(fresh.accept_token(t) for t in seq.output_ids)
+            a, b = torch.zeros(1, words, dtype=torch.int32), torch.zeros(1, words, dtype=torch.int32)
+            seq.guide.matcher.fill_next_token_bitmask(a)
+            fresh.fill_next_token_bitmask(b)
+            assert torch.equal(a, b), f"step {steps}: the grammar is not at the committed tokens"
+    assert rids and checked and all(checked)
+
+
+def test_masked_rejection_sampling_is_lossless() -> None:
+    """The verify rows masked by a grammar (apply_masks), drafts sampled from the masked drafter
+    distribution: the emitted tokens follow the masked, renormalised target."""
+    allowed = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1], [1, 0, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    bits = torch.zeros(3, 1, dtype=torch.int32)
+    for j in range(3):
+        for t in range(V):
+            if allowed[j, t]:
+                bits[j, 0] |= 1 << t
+    assert torch.equal(unpack_bitmask(bits, V), allowed)
+    rows = torch.cat([TARGET, TARGET[:1]]).clone()  # K = 2: rows 0..2
+    apply_masks(rows, [0, 1, 2], bits)
+    p = filtered_probs(rows, 0.8, 0, 1.0)
+    assert (p[~allowed] == 0).all()
+    q = Q * allowed[:2]
+    q = q / q.sum(-1, keepdim=True)
+    gen = torch.Generator().manual_seed(11)
+    drafts = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=gen) for j in range(2)], 1)
+    logits = rows[None].expand(N, 3, V).contiguous()
+    out = accept(logits, drafts, torch.full((N,), 2), [SamplingParams(temperature=0.8)] * N, ["rejection"] * N,
+                 [gen] * N, draft_probs=q[None].expand(N, 2, V).contiguous())
+    assert chi2_pvalue(out.tokens[:, 0], p[0]) > 1e-3
+    kept = out.num_accepted >= 1
+    assert chi2_pvalue(out.tokens[kept, 1], p[1]) > 1e-3
+    # and the test has power: the unmasked target is rejected
+    unmasked = filtered_probs(torch.cat([TARGET, TARGET[:1]]), 0.8, 0, 1.0)
+    assert chi2_pvalue(out.tokens[:, 0], unmasked[0]) < 1e-6
+
+
+def test_sampled_constrained_output_is_valid() -> None:
+    engine = _engine("python", k=3)
+    gspec = GrammarSpec(kind="json_schema", schema=SCHEMA)
+    c = engine.grammar(gspec)
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=c) for s in range(6)]
+    outs = engine.generate(_prompts(), params)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert engine.metrics()["grammar_drafts"] > 0
+
+
+def test_tool_call_grammar_offers_only_the_tools(tmp_path) -> None:
+    """tool_choice required: the call names an offered tool, its arguments valid for its schema, and it
+    ends at </tool_call> (the engine's tool_close trigger: finish_reason tool_calls)."""
+    engine = _engine("shell")
+    tools = [ToolGrammar(name="weather.get", parameters={"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}),
+             ToolGrammar(name="calc", parameters={"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]})]
+    c = engine.grammar(GrammarSpec(kind="tool_call", tools=tools))
+    prompts = [p + "<tool_call>" for p in _prompts(4)]
+    for o in engine.generate(prompts, SamplingParams(max_tokens=120, grammar=c)):
+        assert o.finish_reason == "tool_calls", o.text
+        body = json.loads(o.text.removesuffix("</tool_call>"))
+        schema = {t.name: t.parameters for t in tools}[body["name"]]
+        jsonschema.validate(body["arguments"], schema)
+
+
+def test_compiled_grammars_are_cached_and_bounded() -> None:
+    engine = _engine("build", mode="off")
+    spec = GrammarSpec(kind="json_schema", schema=SCHEMA)
+    a, b = engine.grammar(spec), engine.grammar(spec)
+    assert a is b and engine.metrics()["grammar_cache_hits"] == 1
+    slow = GrammarCompiler(engine.tokenizer, engine.speculator.vocab_size, engine.eos_ids, compile_timeout_s=1e-4)
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 200} for i in range(30)}}
+    with pytest.raises(GrammarError, match="to compile"):
+        slow.compile(GrammarSpec(kind="json_schema", schema=many))
+    with pytest.raises(GrammarError, match="bytes"):
+        GrammarCompiler(engine.tokenizer, engine.speculator.vocab_size, engine.eos_ids, max_schema_bytes=100).compile(
+            GrammarSpec(kind="json_schema", schema=many))
+
+
+def test_bounds_narrow_only_what_the_schema_leaves_open() -> None:
+    b = bounded({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 3},
+                                                   "t": {"type": "string"}, "a": {"type": "array", "minItems": 6},
+                                                   "e": {"type": "string", "enum": ["x" * 50]}}}, Bounds(8, 4, 100.0))
+    p = b["properties"]
+    assert p["n"]["maximum"] == 2**53 - 1 and p["s"]["maxLength"] == 3 and p["t"]["maxLength"] == 8
+    assert p["a"]["maxItems"] == 6 and "maxLength" not in p["e"]
+    engine = _engine("shell", mode="off")
+    tight = GrammarCompiler(engine.tokenizer, engine.speculator.vocab_size, engine.eos_ids, bounds=Bounds(4, 2, None))
+    m = tight.compile(GrammarSpec(kind="json_schema", schema={"type": "string"})).new_guide(False).matcher
+    assert m.accept_string('"abcd') and not m.accept_string("e")
+
+
+def _request(**body) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "auto", "messages": [{"role": "user", "content": "hi"}], **body})
+
+
+def test_router_refuses_unsupported_schema_features_by_name() -> None:
+    limits = RequestLimits()
+    bad = {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}},
+                                            "b": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(BadRequestError) as err:
+        response_grammar(_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}), limits)
+    assert "properties.a.not" in err.value.message and "properties.b.uniqueItems" in err.value.message
+    assert err.value.param == "response_format.json_schema.schema"
+    with pytest.raises(BadRequestError, match="refers outside"):
+        response_grammar(_request(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"$ref": "https://example.com/s.json"}}}), limits)
+    with pytest.raises(BadRequestError, match="not supported"):
+        response_grammar(_request(response_format={"type": "xml"}), limits)
+    assert response_grammar(_request(response_format={"type": "json_object"}), limits).kind == "json_object"
+    # a strict function must be enforceable whole; a non-strict one loses the keyword for the grammar only
+    from router.request_guard import check_request
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+    check_request(_request(tools=[tool], tool_choice="required"), limits)
+    plan = plan_tools(_request(tools=[tool], tool_choice="required"))
+    assert "not" not in json.dumps(plan.grammar.tools[0].parameters) and "uniqueItems" in json.dumps(plan.schemas["f"])
+    strict = {"type": "function", "function": {"name": "f", "strict": True, "parameters": bad}}
+    with pytest.raises(BadRequestError, match="uniqueItems"):
+        check_request(_request(tools=[strict], tool_choice="required"), limits)
+
+
+def test_bitmask_layout_matches_xgrammar() -> None:
+    bm = xgr.allocate_token_bitmask(2, 70)
+    bm.zero_()
+    bm[0, 0] = 1 << 5
+    bm[1, 2] = 1 << 3  # token 67
+    allowed = unpack_bitmask(bm, 70)
+    assert allowed[0].nonzero().flatten().tolist() == [5] and allowed[1].nonzero().flatten().tolist() == [67]
