@@ -94,8 +94,8 @@ def check_reply(req: ChatCompletionRequest, text: str, mode: str) -> tuple[bool,
     return err is None, err or ""
 
 
-def evaluate(model_dir: str, rows: list[dict], mode: str, grammar: bool, max_tokens: int) -> dict[str, Any]:
-    engine = Engine.from_pretrained(model_dir)
+def evaluate(model_dir: str, rows: list[dict], mode: str, grammar: bool, max_tokens: int, device: str = "cpu") -> dict[str, Any]:
+    engine = Engine.from_pretrained(model_dir, device=device)
     reqs = requests_of(rows, mode)
     prompts, params = [], []
     limits = RequestLimits()
@@ -129,12 +129,14 @@ def evaluate(model_dir: str, rows: list[dict], mode: str, grammar: bool, max_tok
     }
 
 
-def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int) -> dict[str, Any]:
+def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, device: str = "cpu") -> dict[str, Any]:
     """Speculation's speed-up with the grammar and without it, batch 1, on the same prompts."""
     from policies.policy import SpeculationPolicy
 
-    engines = {"spec": Engine.from_pretrained(model_dir, policy=SpeculationPolicy(mode="on", num_speculative_tokens=k)),
-               "plain": Engine.from_pretrained(model_dir, policy=SpeculationPolicy(mode="off"))}
+    engines = {"spec": Engine.from_pretrained(model_dir, device=device, policy=SpeculationPolicy(mode="on", num_speculative_tokens=k)),
+               "plain": Engine.from_pretrained(model_dir, device=device, policy=SpeculationPolicy(mode="off"))}
+    for eng in engines.values():
+        eng.warmup()
     reqs = requests_of(rows, mode)
     limits = RequestLimits()
     prompts, specs = [], []
@@ -174,7 +176,7 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int) 
     constrained = out["spec_grammar_tok_s"] / out["plain_grammar_tok_s"]
     same = lambda a, b: sum(x == y for x, y in zip(tokens[a], tokens[b])) / len(prompts)  # noqa: E731
     return {"bench": "grammar_speed", "mode": mode, "k": k, "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
-            "device": device_name("cpu"), "commit": git_commit(), "requests": len(rows), "batch_size": 1,
+            "device": device_name(device), "commit": git_commit(), "requests": len(rows), "batch_size": 1,
             "max_tokens": max_tokens, "speedup_free": round(free, 3), "speedup_grammar": round(constrained, 3),
             "grammar_over_free": round(constrained / free, 3), "identical_spec_free": same("spec_free", "plain_free"),
             "identical_spec_grammar": same("spec_grammar", "plain_grammar"), **out}
@@ -191,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path)
     ap.add_argument("--speed", action="store_true", help="speculation's speed-up with the grammar vs without (batch 1)")
     ap.add_argument("--spec-k", type=int, default=3, help="with --speed: drafts per step")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rows = read_jsonl(args.data, args.limit)
     for model in args.model or DEFAULT_MODELS:
-        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k) if args.speed
-               else evaluate(model, rows, args.mode, args.grammar == "on", args.max_tokens))
+        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k, args.device) if args.speed
+               else evaluate(model, rows, args.mode, args.grammar == "on", args.max_tokens, args.device))
         record(args.results, row)
         print(json.dumps(row), flush=True)
     return 0

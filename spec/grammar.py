@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from state.transfer import device_ints
+
 
 class GrammarViolation(RuntimeError):
     """The engine kept a token the request's grammar refuses (a bug: every kept token was masked)."""
@@ -45,14 +47,24 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
 
 
+def host_words(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An all-allowed bitmask buffer on the host; pinned when the masks go to a GPU, so that their copy
+    is queued instead of waiting for the stream (state/transfer.py)."""
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+
+
 @torch.inference_mode()
-def apply_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> None:
-    """logits [N, V] (in place): rows[i] keeps only the tokens bits[i] allows (-inf elsewhere)."""
+def apply_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor, src: list[int] | None = None) -> None:
+    """logits [N, V] (in place): rows[i] keeps only the tokens that bits[src[i]] allows (-inf elsewhere);
+    bits [M, W] on the host (pinned for a GPU: no sync), src None: bits[i]."""
     if not rows:
         return
     dev = logits.device
-    allowed = unpack_bitmask(bits.to(dev, non_blocking=True), logits.shape[1])  # [n, V]
-    idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    words = bits.to(dev, non_blocking=True)
+    if src is not None:
+        words = words.index_select(0, device_ints(src, dev))
+    allowed = unpack_bitmask(words, logits.shape[1])  # [n, V]
+    idx = device_ints(rows, dev)
     logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
 
 
@@ -103,13 +115,14 @@ class StepMasks:
     vocab_size: int
     kmax: int
     rows: dict[int, Guide]  # batch row -> its guide
+    device: torch.device = torch.device("cpu")  # where the logits are (a GPU: the host buffers are pinned)
     bits: torch.Tensor = field(init=False)  # [len(rows), kmax + 1, W] int32, host
     slot: dict[int, int] = field(init=False)  # batch row -> index into bits
     filled: dict[int, int] = field(init=False)  # batch row -> positions filled (1 + drafts it may verify)
     mask_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.bits = torch.full((len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        self.bits = host_words((len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)), self.device)
         self.slot = {b: i for i, b in enumerate(self.rows)}
         self.filled = {b: 0 for b in self.rows}
 
@@ -127,18 +140,19 @@ class StepMasks:
             if self.filled[b] == 0:
                 self.fill(b)
 
-    def logits_rows(self, counts: list[int]) -> tuple[list[int], torch.Tensor]:
-        """counts[b]: row b's logits rows this step (1 for a prefill, 1 + k for a verify) -> (flat logits
-        rows to mask, their masks [n, W])."""
-        rows, parts = [], []
+    def apply(self, logits: torch.Tensor, counts: list[int]) -> None:
+        """Masks the step's logits [N, V] in place; counts[b]: row b's logits rows (1 for a prefill,
+        1 + k for a verify). Positions past a row's filled masks are left alone (never kept)."""
+        rows, src = [], []
         start = 0
+        k1 = self.kmax + 1
         for b, m in enumerate(counts):
             if b in self.rows:
                 n = min(m, self.filled[b])
                 rows.extend(range(start, start + n))
-                parts.append(self.bits[self.slot[b], :n])
+                src.extend(range(self.slot[b] * k1, self.slot[b] * k1 + n))
             start += m
-        return rows, (torch.cat(parts) if parts else self.bits[:0, 0])
+        apply_masks(logits, rows, self.bits.view(-1, self.bits.shape[-1]), src)
 
 
 class DraftMasks:
@@ -188,11 +202,11 @@ class DraftMasks:
                     self.masks.fill(b)
         else:
             self._feed(j, last)
-        bits = torch.full((self.n, self.masks.bits.shape[-1]), -1, dtype=torch.int32)
+        bits = host_words((self.n, self.masks.bits.shape[-1]), self.device)
         for i, b in self.guided:
             if self.counts[i] >= j + 1:
                 bits[i] = self.masks.bits[self.masks.slot[b], j]
-        allowed = unpack_bitmask(bits.to(self.device), self.masks.vocab_size)
+        allowed = unpack_bitmask(bits.to(self.device, non_blocking=True), self.masks.vocab_size)
         return allowed if self.vocab is None else allowed[:, self.vocab]
 
     def note(self, j: int, chosen: torch.Tensor, unmasked: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
-from spec.grammar import DraftMasks, StepMasks, active_guide, apply_masks
+from spec.grammar import DraftMasks, StepMasks, active_guide
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
 from state.transfer import device_ints
 
@@ -85,14 +85,15 @@ class Speculator:
         plan = StepPlan(rows, k=max(want, default=0), method=method, typical=typical, rebuild=rebuild,
                         greedy=all(r.seq.params.greedy for r in rows))
         guided = {b: g for b, g in enumerate(active_guide(r.seq) for r in rows) if g is not None}
-        if guided:  # grammar masks: filled on the host as the chain goes, applied before acceptance (eager)
-            plan.masks = StepMasks(self.vocab_size, plan.k, guided)
-        if (not guided and not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
+        if guided:  # grammar masks: filled on the host as the chain goes, applied before acceptance
+            plan.masks = StepMasks(self.vocab_size, plan.k, guided, self.device)
+        if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
             # the engine allows decode_steps > 1 only to greedy rows without drafts, with no rebuild, on
-            # attention-only models (specialists/multistep.py: one graph, one sync for `steps` tokens per row)
-            steps = min(seq.decode_steps for seq in decodes)
+            # attention-only models (specialists/multistep.py: one graph, one sync for `steps` tokens per row);
+            # never under a grammar (each token's mask depends on the one before)
+            steps = 1 if guided else min(seq.decode_steps for seq in decodes)
             if steps > 1:
                 plan.multi = steps
             plan.static = StaticShape(*self.runner.static_shape(len(decodes), max(committed) + max(1 + want[0], steps)),
@@ -106,6 +107,8 @@ class Speculator:
             plan.settle([plan.k] * len(plan.rows))
             if plan.k == 0:
                 return Proposal(None)
+            if plan.masks is not None:  # drafts under the grammar: the eager chain; the verify stays static
+                return self._guided_static(plan)
             if ahead is not None and ahead.matches(plan):
                 self.ahead_used += 1
                 return Proposal(ahead.drafts, ahead=True)
@@ -132,6 +135,17 @@ class Speculator:
             drafts = full
         return Proposal(drafts)
 
+    def _guided_static(self, plan: StepPlan) -> Proposal:
+        """A static step with guided rows: the drafter's eager chain under the grammar's masks, padded to
+        the plan's k; a row whose chain stopped early verifies only its own drafts (plan.limits)."""
+        seqs = [r.seq for r in plan.rows]
+        drafts, counts = self._draft(seqs, plan.k, DraftMasks(plan.masks, list(range(len(seqs))), plan.k,
+                                                              self.drafter.vocab, self.device))
+        plan.limits = [min(plan.k, n) for n in counts]
+        if drafts.shape[1] < plan.k:
+            drafts = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], plan.k - drafts.shape[1])], dim=1)
+        return Proposal(drafts[:, :plan.k])
+
     def verify(self, plan: StepPlan, proposal: Proposal) -> Any:
         """The target's forward over the plan with the proposal's drafts (a static greedy step: with
         its acceptance and the drafter's rebuild in the graph) -> the runner's StepResult."""
@@ -139,27 +153,27 @@ class Speculator:
             return self.runner.run_multi(plan.rows, plan.multi)  # (tokens [Bp, S], packed [Bp, 2S])
         in_graph = self._rebuild_in_graph(plan)
         return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None,
-                               static=plan.masks is None)
+                               static=plan.static is not None or plan.masks is None)
 
     def accept(self, plan: StepPlan, proposal: Proposal, res: Any) -> Accepted:
         """Each row's kept drafts and target token (spec/acceptance.py), packed for the host; on the device."""
         B = len(plan.rows)
         if plan.multi > 1:  # every token of the multi-step decode is kept (the engine cuts the runs)
             return Accepted(res[0][:B], res[1][:B])
-        if res.static is not None and plan.greedy:  # the graph accepted and packed its rows
+        if res.static is not None and plan.greedy and plan.masks is None:  # the graph accepted and packed its rows
             return Accepted(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B])
         drafts = None if proposal.drafts is None else proposal.drafts[:B]
         if plan.masks is not None:  # each guided row's logits keep only what its grammar allows there
             t0 = time.perf_counter()
             plan.masks.fill_first()
-            rows, bits = plan.masks.logits_rows([1 if r.prefill else 1 + r.k for r in plan.rows])
-            apply_masks(res.logits, rows, bits)
+            plan.masks.apply(res.logits, [1 if r.prefill else 1 + r.k for r in plan.rows])
             plan.masks.mask_s += time.perf_counter() - t0
         lidx = self._logits_rows(plan)
         if plan.greedy:  # the target's argmax after each position; exact
             best = res.logits.argmax(-1)  # [rows of logits]
             argmax = best.view(B, plan.k + 1) if lidx is None else best[lidx]  # [B, k+1]
-            result = greedy_accept(argmax, drafts, None if lidx is None or drafts is None else self._num_drafts(plan))
+            limited = lidx is not None or plan.limits is not None
+            result = greedy_accept(argmax, drafts, None if not limited or drafts is None else self._num_drafts(plan))
         else:
             target = res.logits.view(B, plan.k + 1, -1) if lidx is None else res.logits[lidx]  # [B, k+1, V]
             fed = drafts if drafts is not None else torch.zeros(B, 0, dtype=torch.int64, device=self.device)
@@ -177,7 +191,7 @@ class Speculator:
             self._draft_out = static.draft_out
         elif plan.rebuild and self.drafter is not None:
             self._rebuild(plan, forward, accepted.tokens)
-        ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan)
+        ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
             wait = self._host_copy(accepted.packed)
             drafts_next = self._chain_ahead(plan, static)
@@ -203,7 +217,7 @@ class Speculator:
         return self.drafter.chain_ahead(static.draft_out, static.packed, ctx, tables, plan.k, plan.static.width)
 
     def _num_drafts(self, plan: StepPlan) -> torch.Tensor:  # [B] int64
-        return device_ints([r.k for r in plan.rows], self.device)  # no sync: the step's copy stays its only one
+        return device_ints(plan.limits if plan.limits is not None else [r.k for r in plan.rows], self.device)  # no sync: the step's copy stays its only one
 
     def _logits_rows(self, plan: StepPlan) -> torch.Tensor | None:
         """[B, k+1] logits row of each row's positions (a row with fewer repeats its last one, ignored);

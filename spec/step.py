@@ -59,6 +59,7 @@ class StepPlan:
     static: StaticShape | None = None
     multi: int = 1  # > 1: that many greedy one-token decodes in one static forward (no drafts)
     masks: StepMasks | None = None  # the grammar masks of guided rows (spec/grammar.py); None: no row guided
+    limits: list[int] | None = None  # a guided static step: drafts each row may keep (its chain may stop early)
 
     def settle(self, num_drafts: list[int]) -> None:
         """Each row's drafts once they are proposed (a chain may stop early), and the batch layout."""
