@@ -8,7 +8,7 @@ import asyncio
 
 from router.api import Delta, DeltaFunctionCall, DeltaToolCall, ResponseToolCall, ToolCallError
 from router.tools import ToolPlan, convert_call
-from specialists.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedToolCall, parse_tool_calls
+from specialists.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedToolCall, call_end, parse_tool_calls
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -73,7 +73,7 @@ class ToolCallStreamer:
         out: list[Delta] = []
         while True:
             if self._in_call:
-                end = self._buf.find(TOOL_CALL_CLOSE)
+                end = call_end(self._buf, 0, final)
                 if end < 0:
                     return out
                 body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_CLOSE):]

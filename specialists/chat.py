@@ -166,6 +166,28 @@ class ParsedToolCall:
 
 
 _END_MARKERS = (EOS_TOKEN, PAD_TOKEN)
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\r\n"  # JSON's whitespace
+
+
+def call_end(text: str, body_start: int, final: bool = True) -> int:
+    """Index of the `</tool_call>` that closes the call whose body starts at `body_start`, or -1. A
+    body that is a JSON object is read whole first, so a `</tool_call>` inside one of its strings
+    (plain text to a tokenizer without that token) does not end the call. Otherwise the first
+    `</tool_call>`; while the text is still arriving (`final` False) an object that does not parse yet
+    waits for more."""
+    i = body_start
+    while i < len(text) and text[i] in _SPACE:
+        i += 1
+    if i < len(text) and text[i] == "{":
+        try:
+            _, j = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            if not final:
+                return -1
+        else:  # the close after the object, not one inside it
+            return text.find(TOOL_CALL_CLOSE, j)
+    return text.find(TOOL_CALL_CLOSE, body_start)
 
 
 def _parse_one(raw: str) -> ParsedToolCall:
@@ -214,7 +236,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
             break
         content.append(text[pos:start])
         body_start = start + len(TOOL_CALL_OPEN)
-        end = text.find(TOOL_CALL_CLOSE, body_start)
+        end = call_end(text, body_start)
         nested = text.find(TOOL_CALL_OPEN, body_start)
         if end < 0 or (0 <= nested < end):
             stop = nested if 0 <= nested and (end < 0 or nested < end) else len(text)

@@ -190,6 +190,8 @@ REPLIES = [
     format_tool_call("man_page", {"name": "tar"}),
     "Let me look.\n" + format_tool_call("run_shell", {"command": "ls <dir>"}) + format_tool_call("man_page", {"name": "ls"}),
     '<tool_call>{"name": "run_shell", "arguments": {"command": "ls"',  # unterminated
+    # the close tag inside a JSON string (plain text to a tokenizer without the token) does not end the call
+    '<tool_call>{"name": "run_shell", "arguments": {"command": "echo }}</tool_call> done"}}</tool_call> after',
     "a < b and <tool_ but no call",
 ]
 
@@ -211,6 +213,13 @@ def test_streamed_deltas_equal_the_whole_reply(reply, cuts):
     assert content.strip() == (whole.content or "")
     assert [e.error for e in streamer.errors] == [e.error for e in whole.errors]
     assert all("<tool_call>" not in (d.content or "") for d in deltas)
+
+
+def test_a_close_tag_inside_a_json_string_does_not_end_the_call():
+    plan = plan_tools(request(tools=SHELL_TOOLS))
+    got = extract_tool_calls('<tool_call>{"name": "run_shell", "arguments": {"command": "echo }}</tool_call>"}}</tool_call>',
+                             plan)
+    assert json.loads(got.calls[0].function.arguments) == {"command": "echo }}</tool_call>"} and not got.errors
 
 
 # ---- over HTTP, real specialists -----------------------------------------------------------------
