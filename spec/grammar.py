@@ -33,6 +33,9 @@ import torch
 from state.transfer import device_ints
 
 
+CLOSE_BONUS = 1.0e4  # added to the closing tokens' logits near the budget's end (above any real logit gap)
+
+
 class GrammarViolation(RuntimeError):
     """The engine kept a token the request's grammar refuses (a bug: every kept token was masked)."""
 
@@ -76,6 +79,12 @@ class Guide:
     matcher: Any  # fill_next_token_bitmask(bits, index), accept_token(id) -> bool, rollback(n), is_terminated()
     active: bool
     activate_on_tool_open: bool = False
+    # closing within the budget: at a position with at most `reserve` tokens left before max_tokens, the
+    # allowed tokens that close something come first (`closers`: [V] float, a token's preference: 2 for
+    # `"`-led tokens of `"]}`, 1 for `]` / `}`, 0 otherwise, times CLOSE_BONUS), so that a model still
+    # inside a string or an array closes its JSON before the reply is cut
+    closers: torch.Tensor | None = None
+    reserve: int = 0
     drafts: int = 0  # drafts proposed under this grammar
     masked_drafts: int = 0  # drafts the mask changed (the drafter's own choice was not allowed)
     mask_s: float = 0.0  # host time filling masks and committing tokens
@@ -116,6 +125,7 @@ class StepMasks:
     kmax: int
     rows: dict[int, Guide]  # batch row -> its guide
     device: torch.device = torch.device("cpu")  # where the logits are (a GPU: the host buffers are pinned)
+    left: dict[int, int] = field(default_factory=dict)  # batch row -> tokens it may still emit (position 0)
     bits: torch.Tensor = field(init=False)  # [len(rows), kmax + 1, W] int32, host
     slot: dict[int, int] = field(init=False)  # batch row -> index into bits
     filled: dict[int, int] = field(init=False)  # batch row -> positions filled (1 + drafts it may verify)
@@ -153,6 +163,28 @@ class StepMasks:
                 src.extend(range(self.slot[b] * k1, self.slot[b] * k1 + n))
             start += m
         apply_masks(logits, rows, self.bits.view(-1, self.bits.shape[-1]), src)
+        self._close(logits, counts)
+
+    def _close(self, logits: torch.Tensor, counts: list[int]) -> None:
+        """Positions within a guide's reserve of its budget: closing tokens first (CLOSE_BONUS added to
+        their masked logits; a disallowed one stays at -inf). The same at a verify row and a plain decode
+        of that position, so greedy output with speculation still equals it without."""
+        rows, closers = [], None
+        start = 0
+        for b, m in enumerate(counts):
+            g = self.rows.get(b)
+            if g is not None and g.closers is not None and b in self.left:
+                for j in range(min(m, self.filled[b])):
+                    if self.left[b] - j <= g.reserve:
+                        rows.append(start + j)
+                closers = g.closers
+            start += m
+        if not rows:
+            return
+        bonus = closers.to(logits.device, non_blocking=True).to(logits.dtype) * CLOSE_BONUS  # [V]
+        idx = device_ints(rows, logits.device)
+        with torch.inference_mode():
+            logits.index_copy_(0, idx, logits.index_select(0, idx) + bonus[: logits.shape[1]])
 
 
 class DraftMasks:

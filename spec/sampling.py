@@ -23,7 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # a compiled grammar the output must follow (specialists/grammar.py's Constraint: anything with
-    # new_guide(in_tool) -> spec.grammar.Guide); None: free text
+    # new_guide(in_tool, max_tokens) -> spec.grammar.Guide); None: free text
     grammar: Any = None
 
     def __post_init__(self) -> None:

@@ -86,7 +86,8 @@ class Speculator:
                         greedy=all(r.seq.params.greedy for r in rows))
         guided = {b: g for b, g in enumerate(active_guide(r.seq) for r in rows) if g is not None}
         if guided:  # grammar masks: filled on the host as the chain goes, applied before acceptance
-            plan.masks = StepMasks(self.vocab_size, plan.k, guided, self.device)
+            plan.masks = StepMasks(self.vocab_size, plan.k, guided, self.device,
+                                   {b: rows[b].seq.params.max_tokens - len(rows[b].seq.output_ids) for b in guided})
         if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]

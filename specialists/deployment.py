@@ -263,26 +263,11 @@ class Specialist:
         timeline = GenerationTimeline(time.time_ns())
         admission = self.speculation_status()
         span.set_attribute("cantata.speculation.admission", admission)
-        try:
-            params = sampling_params(req)
-        except ValueError as exc:
-            yield self._event("error", status=400, message=str(exc))
+        prepared = await self._prepare(req, span)
+        if isinstance(prepared, dict):  # a 400 for the request
+            yield prepared
             return
-        if req.grammar is not None:  # compiled (or found in the cache) here, never on the engine thread
-            span.set_attribute("cantata.grammar", req.grammar.kind)
-            try:
-                params.grammar = await asyncio.to_thread(self.engine.grammar, req.grammar)
-            except GrammarError as exc:
-                yield self._event("error", status=400, message=str(exc))
-                return
-        try:  # tokenized here, after a length bound, never on the engine thread
-            ids = await self._encoder.encode_async(req.prompt)
-        except PromptTooLong as exc:
-            yield self._event("error", status=400, message=str(exc))
-            return
-        except Exception as exc:  # noqa: BLE001 - text the tokenizer cannot take is the request's fault
-            yield self._event("error", status=400, message=f"cannot tokenize the prompt: {type(exc).__name__}")
-            return
+        params, ids = prepared
         items = self._loop.submit(ids, params, req.request_id)
         deltas = TextDeltas(req.stop)
         last: Snapshot | None = None
@@ -319,8 +304,33 @@ class Specialist:
         self._finish(ctx, timeline, last)
         span.set_attributes({"cantata.speculation": last.speculation, "cantata.finish_reason": last.finish_reason or "",
                              "cantata.completion_tokens": last.num_tokens})
+        if last.finish_reason == "grammar_error":  # the engine ended it: its grammar allowed no token (a 400)
+            yield self._event("error", status=400, message="the request's grammar allows no token at this point of "
+                              "the reply (a schema with no finite JSON value?)")
+            return
         yield self._event("end", speculation=last.speculation, finish_reason=last.finish_reason,
                           prompt_tokens=last.prompt_tokens, completion_tokens=last.num_tokens, stats=last.stats)
+
+    async def _prepare(self, req: GenerateRequest, span: Span) -> tuple[SamplingParams, list[int]] | dict[str, Any]:
+        """The engine's parameters (the grammar compiled, or found in the cache) and the prompt's ids, both
+        made off the engine thread; or the error event of a request that cannot be served."""
+        try:
+            params = sampling_params(req)
+        except ValueError as exc:
+            return self._event("error", status=400, message=str(exc))
+        if req.grammar is not None:
+            span.set_attribute("cantata.grammar", req.grammar.kind)
+            try:
+                params.grammar = await asyncio.to_thread(self.engine.grammar, req.grammar)
+            except GrammarError as exc:
+                return self._event("error", status=400, message=str(exc))
+        try:  # tokenized after a length bound
+            ids = await self._encoder.encode_async(req.prompt)
+        except PromptTooLong as exc:
+            return self._event("error", status=400, message=str(exc))
+        except Exception as exc:  # noqa: BLE001 - text the tokenizer cannot take is the request's fault
+            return self._event("error", status=400, message=f"cannot tokenize the prompt: {type(exc).__name__}")
+        return params, ids
 
     def _finish(self, ctx: Any, timeline: GenerationTimeline, last: Snapshot) -> None:
         record_generation_spans(self._tracer, ctx, timeline, last.stats, last.speculation, last.prompt_tokens,

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,15 +27,17 @@ from policies.gate import SpeculationGate
 from policies.policy import SpeculationPolicy
 from spec.acceptance import TypicalParams
 from spec.speculator import Speculator
-from spec.stats import RequestStats, SpecStats
+from spec.stats import SpecStats
 from spec.triggers import TriggerSet
 from specialists.base_checkpoint import resolve_weights
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
+from specialists.guided import Grammars, commit_grammars, serving_hints
 from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 from specialists.options import EngineConfig, EngineOptions
+from specialists.outputs import RequestError, RequestOutput, merge_status
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
 from specialists.scheduler import Scheduler, Sequence, Status
@@ -49,42 +48,6 @@ from state.ssm_snapshots import SSMSnapshots, default_capacity
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve (empty or over-long prompt)."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # "stop" | "length" | "tool_calls" | None while running
-    finished: bool
-    speculation: str = "off"  # on | off | fallback: what this request used so far
-    stats: RequestStats | None = None  # shared, live: read it, do not keep it across steps
-
-
-def _serving_hints(path: Path) -> dict:
-    """The checkpoint's serving hints: cantata.json's "serving" object (e.g. its grammar bounds)."""
-    meta = path / "cantata.json"
-    if not meta.is_file():
-        return {}
-    try:
-        hints = json.loads(meta.read_text()).get("serving", {})
-    except (ValueError, AttributeError):
-        log.warning("unreadable %s: no serving hints", meta)
-        return {}
-    return hints if isinstance(hints, dict) else {}
-
-
-def _merge_status(before: str, now: str) -> str:
-    """A request that ever fell back says so; otherwise on if it ever speculated."""
-    if "fallback" in (before, now):
-        return "fallback"
-    return "on" if "on" in (before, now) else "off"
-
-
 class Engine:
     def __init__(self, model, tokenizer, cfg: EngineConfig, *, drafter: MTPDrafter | None = None,
                  policy: SpeculationPolicy | None = None, draft_vocab: torch.Tensor | None = None,
@@ -92,7 +55,6 @@ class Engine:
         """`cfg`: resolved options (EngineOptions.resolve); `drafter`: the checkpoint's MTP drafter (None:
         no speculation); `draft_vocab`: [N] token ids the drafter may propose (None: all);
         `grammar_bounds`: specialists/grammar.Bounds' fields for constrained decoding."""
-        self.grammar_bounds = dict(grammar_bounds or {})
         self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, cfg.device
         hybrid = model.num_mamba_layers > 0
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
@@ -130,8 +92,7 @@ class Engine:
         self._step_lock: asyncio.Lock | None = None
         self.steps = 0
         self.ready = False
-        self._grammars = None  # specialists/grammar.py's compiler, made on first use
-        self._grammars_lock = threading.Lock()
+        self._grammars = Grammars(tokenizer, self.speculator.vocab_size, eos, grammar_bounds)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,
@@ -155,19 +116,13 @@ class Engine:
                 log.warning("%s has no MTP drafter: speculation off", path)
         size = opts.draft_vocab_size
         vocab = read_draft_vocab(Path(path), size) if drafter is not None and size != 0 else None
-        bounds = opts.grammar_bounds if opts.grammar_bounds is not None else _serving_hints(Path(path)).get("grammar_bounds")
+        bounds = opts.grammar_bounds if opts.grammar_bounds is not None else serving_hints(Path(path)).get("grammar_bounds")
         return cls(model, tokenizer, cfg, drafter=drafter, policy=policy, draft_vocab=vocab, grammar_bounds=bounds)
 
     def grammar(self, spec):  # noqa: ANN001, ANN201 - GrammarSpec -> Constraint (specialists/grammar.py)
         """A request's grammar compiled for this engine's tokenizer (cached per spec), to pass as
-        SamplingParams.grammar. Thread-safe and slow on a cache miss: call it off the engine thread.
-        Raises specialists.grammar.GrammarError for a grammar that cannot be compiled."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                from specialists.grammar import Bounds, GrammarCompiler
-
-                self._grammars = GrammarCompiler(self.tokenizer, self.speculator.vocab_size, self.eos_ids,
-                                                 bounds=Bounds(**self.grammar_bounds))
+        SamplingParams.grammar. Slow on a cache miss: call it off the engine thread. Raises
+        specialists.grammar.GrammarError for a grammar that cannot be compiled."""
         return self._grammars.compile(spec)
 
     def set_policy(self, policy: SpeculationPolicy) -> None:
@@ -203,8 +158,7 @@ class Engine:
                    for k in (ks if spec else [0]))  # every K auto may pick
 
     def metrics(self) -> dict:
-        grammars = self._grammars.stats() if self._grammars is not None else {}
-        return {**self.stats, **self.totals.as_dict(), **grammars, "gate": self.gate.snapshot()}
+        return {**self.stats, **self.totals.as_dict(), **self._grammars.stats(), "gate": self.gate.snapshot()}
 
     @property
     def stats(self) -> dict:
@@ -231,7 +185,7 @@ class Engine:
         seq.stats.prompt_tokens = len(ids)
         seq.in_tool = self.triggers.open_segment(ids)
         if params.grammar is not None:  # a tool call's grammar starts at once when the prompt opened the call
-            seq.guide = params.grammar.new_guide(seq.in_tool)
+            seq.guide = params.grammar.new_guide(seq.in_tool, params.max_tokens)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -283,7 +237,8 @@ class Engine:
 
         t0 = time.perf_counter()
         kept, events = self._cut_runs(rows, out, status)
-        self._commit_grammars(rows, out, kept)
+        for i in commit_grammars(rows, out.runs, kept, out.mask_s, self.totals):  # a grammar with no way on
+            events[i] = "grammar_error"
         pending = self.snapshots.capture(rows, kept) if self.snapshots is not None else []
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
         if pending:  # the committed blocks' entries exist now
@@ -340,28 +295,10 @@ class Engine:
             seq.stats.note_k(row.k)
             self.totals.record(k_room, a, n)
             if not row.prefill:
-                seq.stats.speculation = _merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
+                seq.stats.speculation = merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
         if drafted:
             self.gate.observe(drafted, accepted)
         return kept, events
-
-    def _commit_grammars(self, rows: list, out, kept: list[int]) -> None:
-        """Each guided row's grammar takes exactly the tokens kept (the same as KV and SSM); the step's
-        mask time is shared among its guided rows."""
-        guided = [(row, run, n) for row, run, n in zip(rows, out.runs, kept) if row.seq.guide is not None and row.seq.guide.active]
-        if not guided:
-            return
-        share = out.mask_s / len(guided)
-        for row, run, n in guided:
-            g = row.seq.guide
-            g.commit(run[:n])
-            g.mask_s += share
-            drafts, masked, mask_s = g.take_counts()
-            row.seq.stats.record_grammar(drafts, masked, mask_s)
-            self.totals.grammar_drafts += drafts
-            self.totals.grammar_masked_drafts += masked
-            self.totals.grammar_mask_s += mask_s
-        self.totals.grammar_steps += 1
 
     def _check_invariants(self) -> None:
         for seq in self.scheduler.running:
@@ -393,8 +330,8 @@ class Engine:
             seq.stats.trigger_events.append((event, len(seq.output_ids) - 1))
         if event in ("eos", "stop_token"):
             reason, visible = "stop", seq.output_ids[:-1]
-        elif event == "tool_close":
-            reason = "tool_calls"
+        elif event in ("tool_close", "grammar_error"):
+            reason = "tool_calls" if event == "tool_close" else event
         elif event == "tool_open":
             seq.in_tool = True
             if seq.guide is not None:  # tool_choice auto: the call's grammar starts after <tool_call>

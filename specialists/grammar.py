@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import xgrammar as xgr
 
 from spec.grammar import Guide
@@ -43,6 +44,7 @@ from specialists.chat import TOOL_CALL_CLOSE
 from specialists.wire import GrammarSpec
 
 SEPARATORS = (", ", ": ")  # json.dumps' defaults: what the chat template renders
+CLOSE_RESERVE = 48  # the last tokens of a reply's budget in which a grammar closes its JSON first
 
 
 class GrammarError(ValueError):
@@ -56,11 +58,16 @@ class Constraint:
     compiled: Any  # xgrammar.CompiledGrammar
     stop_tokens: tuple[int, ...]  # allowed once the grammar is complete
     on_tool_open: bool  # a tool call's body: starts at the <tool_call> token
+    closers: torch.Tensor | None = None  # [V] float: 2 for tokens of `"]}` that start with a quote, 1 for `]}` only
 
-    def new_guide(self, in_tool: bool) -> Guide:
+    def new_guide(self, in_tool: bool, max_tokens: int | None = None) -> Guide:
+        """A request's guide; with max_tokens, it closes its JSON first in the last half of the budget
+        (at most CLOSE_RESERVE tokens, spec.grammar.Guide.reserve)."""
         matcher = xgr.GrammarMatcher(self.compiled)  # its stop tokens are its compiler's (never overridden:
         # xgrammar would then let the tokenizer's own stop tokens through as text)
-        return Guide(matcher, active=not self.on_tool_open or in_tool, activate_on_tool_open=self.on_tool_open)
+        reserve = 0 if max_tokens is None else min(CLOSE_RESERVE, max(8, max_tokens // 2))
+        return Guide(matcher, active=not self.on_tool_open or in_tool, activate_on_tool_open=self.on_tool_open,
+                     closers=self.closers, reserve=reserve)
 
 
 SAFE_INTEGER = 2**53 - 1  # JSON numbers every parser reads exactly (RFC 8259, section 6)
@@ -123,7 +130,14 @@ class GrammarCompiler:
         control = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         # compact JSON never holds a raw control character (JSON forbids them in strings; xgrammar's string
         # rule lets a tab through): tokens that decode to one are never text either
-        raw = {i for i in range(len(encoded)) if any(ord(ch) < 32 for ch in tokenizer.decode([i]))}
+        texts = [tokenizer.decode([i]) for i in range(len(encoded))]
+        raw = {i for i, t in enumerate(texts) if any(ord(ch) < 32 for ch in t)}
+        # closing tokens, by preference: a quote first (inside a string only it closes; elsewhere it opens
+        # an empty string), then `]` / `}`; nothing with a space (compact JSON has none before a closer)
+        self.closers = torch.zeros(vocab_size, dtype=torch.float32)
+        for i, t in enumerate(texts):
+            if t and set(t) <= set('"]}') and i not in control:
+                self.closers[i] = 2.0 if t[0] == '"' else 1.0
         for i in control | raw:
             if i < len(encoded):
                 encoded[i] = ""  # xgrammar treats an empty token as special: never text
@@ -177,17 +191,35 @@ class GrammarCompiler:
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError on bad schemas
             raise GrammarError(f"cannot build a grammar for the schema: {exc}") from None
 
+    def _admits(self, compiled: Any, prefix: str = "") -> bool:
+        """Whether a reply under `compiled` can go on after `prefix` (some token is allowed): a schema
+        such as {"$ref": "#"} compiles to a grammar that allows nothing."""
+        matcher = xgr.GrammarMatcher(compiled)
+        if prefix and not matcher.accept_string(prefix):
+            return False
+        words = xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        matcher.fill_next_token_bitmask(words)
+        return bool(words.any())
+
     def _build(self, spec: GrammarSpec) -> Constraint:
+        made = self._compile(spec)
+        if spec.kind != "tool_call" and not self._admits(made.compiled):
+            raise GrammarError("the schema admits no JSON value")
+        return made
+
+    def _compile(self, spec: GrammarSpec) -> Constraint:
         if spec.kind == "json_object":
-            return Constraint(self._compiler.compile_builtin_json_grammar(), self.end_ids, False)
+            return Constraint(self._compiler.compile_builtin_json_grammar(), self.end_ids, False, self.closers)
         if spec.kind == "json_schema":
             grammar = self._schema_grammar(spec.schema_ or {})
-            return Constraint(self._compiler.compile_grammar(grammar), self.end_ids, False)
+            return Constraint(self._compiler.compile_grammar(grammar), self.end_ids, False, self.closers)
         calls = []
         for tool in spec.tools:
             head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
             try:
                 args = self._schema_grammar(tool.parameters)
+                if not self._admits(self._compiler.compile_grammar(args)):
+                    raise GrammarError(f"the parameters of {tool.name!r} admit no JSON value")
             except GrammarError:
                 if tool.strict:
                     raise
@@ -196,9 +228,10 @@ class GrammarCompiler:
                                             xgr.Grammar.from_ebnf(_literal("}"))))
         body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
         if self.tool_close is not None:  # the grammar ends at `}`; then only the </tool_call> token
-            return Constraint(self._tool_compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open)
+            return Constraint(self._tool_compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open,
+                              self.closers)
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(_literal(TOOL_CALL_CLOSE)))
-        return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open)
+        return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open, self.closers)
 
     def stats(self) -> dict[str, int]:
         return {"grammar_cache_hits": self.hits, "grammar_cache_misses": self.misses, "grammar_cache_size": len(self._cache)}

@@ -77,6 +77,24 @@ def test_constrained_greedy_speculation_equals_plain(domain: str, static: bool) 
         assert o.stats.grammar_steps > 0
 
 
+@pytest.mark.parametrize("domain", ["shell", "cpp"])
+def test_json_closes_within_a_tight_budget(domain: str) -> None:
+    """No bounds (grammar_bounds {}), strings and arrays left open, 40 tokens: the toys would repeat
+    themselves inside a string until max_tokens; near the budget's end the closing tokens come first,
+    so every reply is complete valid JSON, and speculation still gives the same tokens."""
+    schema = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}},
+                                               "title": {"type": "string"}}, "required": ["notes", "title"]}
+    gspec = GrammarSpec(kind="json_schema", schema=schema)
+    outs = {}
+    for mode in ("on", "off"):
+        eng = _engine(domain, mode=mode, grammar_bounds={})
+        outs[mode] = eng.generate(_prompts(), SamplingParams(max_tokens=40, grammar=eng.grammar(gspec)))
+    assert [o.token_ids for o in outs["on"]] == [o.token_ids for o in outs["off"]]
+    for o in outs["on"]:
+        assert o.finish_reason == "stop" and len(o.token_ids) <= 40, o.text
+        jsonschema.validate(json.loads(o.text), schema)
+
+
 def test_drafts_are_proposed_under_the_mask_and_the_grammar_is_rolled_back() -> None:
     """Every verified draft is one the grammar accepts at its place; after each step the matcher's
     next-token mask equals that of a fresh matcher fed exactly the kept tokens."""
@@ -182,6 +200,26 @@ def test_compiled_grammars_are_cached_and_bounded() -> None:
     with pytest.raises(GrammarError, match="bytes"):
         GrammarCompiler(engine.tokenizer, engine.speculator.vocab_size, engine.eos_ids, max_schema_bytes=100).compile(
             GrammarSpec(kind="json_schema", schema=many))
+
+
+def test_a_grammar_with_no_way_on_ends_its_request_not_the_engine() -> None:
+    """{"$ref": "#"} admits nothing: refused when compiled. A schema that dead-ends mid-reply (a value
+    whose rule is only itself) ends that request with finish_reason grammar_error; the engine and the
+    request beside it go on."""
+    engine = _engine("shell")
+    with pytest.raises(GrammarError, match="admits no JSON value"):
+        engine.grammar(GrammarSpec(kind="json_schema", schema={"$ref": "#"}))
+    dead = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+            "$defs": {"x": {"$ref": "#/$defs/x"}}}
+    c = engine.grammar(GrammarSpec(kind="json_schema", schema=dead))
+    bad, good = engine.generate(_prompts(2), [SamplingParams(max_tokens=40, grammar=c), SamplingParams(max_tokens=40)])
+    assert bad.finish_reason == "grammar_error" and bad.text.startswith('{"a": ')
+    assert good.finish_reason in ("stop", "length") and len(good.token_ids) > 0
+    # a non-strict tool whose parameters admit nothing falls back to any object; a strict one is refused
+    tool = ToolGrammar(name="f", parameters={"$ref": "#"})
+    assert engine.grammar(GrammarSpec(kind="tool_call", tools=[tool])) is not None
+    with pytest.raises(GrammarError):
+        engine.grammar(GrammarSpec(kind="tool_call", tools=[ToolGrammar(name="f", parameters={"$ref": "#"}, strict=True)]))
 
 
 def test_bounds_narrow_only_what_the_schema_leaves_open() -> None:

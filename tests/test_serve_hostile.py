@@ -156,7 +156,9 @@ def test_catastrophic_pattern_gives_up_and_other_routes_answer(served):
     ({"stream": "yes"}, 422, "stream"), ({"temperature": "0.5"}, 422, "temperature"), ({"max_tokens": True}, 422, "max_tokens"),
     ({"temperature": 0.7, "seed": 2**64}, 400, "seed"), ({"temperature": 0.7, "seed": -1}, 400, "seed"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias"), ({"presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"allOf": []}}}}, 400,
+     "response_format.json_schema.schema"),
 ])
 def test_bad_parameters(served, body, status, param):
     r = requests.post(URL, json={"model": "shell", "messages": USER, "max_tokens": 2, **body}, timeout=60)
