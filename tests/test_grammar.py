@@ -30,6 +30,7 @@ from specialists.chat import render
 from specialists.engine import Engine
 from specialists.grammar import Bounds, GrammarCompiler, GrammarError, bounded
 from specialists.sampling import SamplingParams
+from specialists.telemetry import decode_attributes
 from specialists.wire import GrammarSpec, ToolGrammar
 from tests.test_acceptance import N, Q, TARGET, V, chi2_pvalue
 
@@ -75,6 +76,9 @@ def test_constrained_greedy_speculation_equals_plain(domain: str, static: bool) 
         matcher = _fresh(spec_engine, gspec)
         assert all(matcher.accept_token(t) for t in o.token_ids) and matcher.is_terminated()
         assert o.stats.grammar_steps > 0
+    # what the trace's decode span carries for a constrained request
+    attrs = decode_attributes(outs["spec"][0].stats.as_dict(), "on", len(outs["spec"][0].token_ids))
+    assert attrs["cantata.grammar_steps"] > 0 and "cantata.grammar_masked_drafts" in attrs and attrs["cantata.grammar_mask_s"] > 0
 
 
 @pytest.mark.parametrize("domain", ["shell", "cpp"])
