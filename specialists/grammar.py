@@ -44,7 +44,7 @@ from specialists.chat import TOOL_CALL_CLOSE
 from specialists.wire import GrammarSpec
 
 SEPARATORS = (", ", ": ")  # json.dumps' defaults: what the chat template renders
-CLOSE_RESERVE = 48  # the last tokens of a reply's budget in which a grammar closes its JSON first
+CLOSE_SLACK = 16  # closing starts this many tokens before the schema's smallest instance would no longer fit
 
 
 class GrammarError(ValueError):
@@ -59,13 +59,14 @@ class Constraint:
     stop_tokens: tuple[int, ...]  # allowed once the grammar is complete
     on_tool_open: bool  # a tool call's body: starts at the <tool_call> token
     closers: torch.Tensor | None = None  # [V] float: 2 for tokens of `"]}` that start with a quote, 1 for `]}` only
+    min_chars: int = 0  # characters of the smallest reply the grammar allows (an upper bound on its tokens)
 
     def new_guide(self, in_tool: bool, max_tokens: int | None = None) -> Guide:
-        """A request's guide; with max_tokens, it closes its JSON first in the last half of the budget
-        (at most CLOSE_RESERVE tokens, spec.grammar.Guide.reserve)."""
+        """A request's guide; with max_tokens, it closes its JSON first once the tokens left are within
+        CLOSE_SLACK of the smallest reply the grammar allows (spec.grammar.Guide.reserve)."""
         matcher = xgr.GrammarMatcher(self.compiled)  # its stop tokens are its compiler's (never overridden:
         # xgrammar would then let the tokenizer's own stop tokens through as text)
-        reserve = 0 if max_tokens is None else min(CLOSE_RESERVE, max(8, max_tokens // 2))
+        reserve = 0 if max_tokens is None else min(max_tokens - 1, self.min_chars + CLOSE_SLACK)
         return Guide(matcher, active=not self.on_tool_open or in_tool, activate_on_tool_open=self.on_tool_open,
                      closers=self.closers, reserve=reserve)
 
@@ -106,6 +107,46 @@ def bounded(schema: Any, bounds: Bounds, depth: int = 0) -> Any:
     if free and "array" in kinds and bounds.max_items is not None and "maxItems" not in out:
         out["maxItems"] = max(bounds.max_items, int(out.get("minItems", 0)))
     return out
+
+
+def min_chars(schema: Any, root: Any = None, depth: int = 0) -> int:
+    """Characters of the smallest compact JSON value `schema` allows (required properties only, minItems
+    items, minLength characters); local references followed to a depth of 8."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict) or depth > 8:
+        return 2
+    if "const" in schema:
+        return len(json.dumps(schema["const"], ensure_ascii=False))
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return min(len(json.dumps(v, ensure_ascii=False)) for v in schema["enum"])
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target: Any = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            target = target.get(part.replace("~1", "/").replace("~0", "~"), {}) if isinstance(target, dict) else {}
+        return min_chars(target, root, depth + 1)
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches:
+        return min(min_chars(b, root, depth + 1) for b in branches)
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    sizes = []
+    for kind in kinds:
+        if kind == "object" or (kind is None and "properties" in schema):
+            props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            req = [k for k in schema.get("required", []) if isinstance(k, str)]
+            sizes.append(2 + sum(len(json.dumps(k, ensure_ascii=False)) + 2 + min_chars(props.get(k, {}), root, depth + 1)
+                                 for k in req) + 2 * max(0, len(req) - 1))
+        elif kind == "array":
+            n = int(schema.get("minItems", 0) or 0)
+            sizes.append(2 + n * (min_chars(schema.get("items", {}), root, depth + 1) + 2))
+        elif kind == "string":
+            sizes.append(2 + int(schema.get("minLength", 0) or 0))
+        elif kind in ("boolean", "null"):
+            sizes.append(4)
+        else:  # a number, or no type
+            sizes.append(1)
+    return min(sizes)
 
 
 def _literal(text: str) -> str:
@@ -209,10 +250,11 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> Constraint:
         if spec.kind == "json_object":
-            return Constraint(self._compiler.compile_builtin_json_grammar(), self.end_ids, False, self.closers)
+            return Constraint(self._compiler.compile_builtin_json_grammar(), self.end_ids, False, self.closers, 2)
         if spec.kind == "json_schema":
             grammar = self._schema_grammar(spec.schema_ or {})
-            return Constraint(self._compiler.compile_grammar(grammar), self.end_ids, False, self.closers)
+            return Constraint(self._compiler.compile_grammar(grammar), self.end_ids, False, self.closers,
+                              min_chars(spec.schema_ or {}))
         calls = []
         for tool in spec.tools:
             head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
@@ -227,11 +269,13 @@ class GrammarCompiler:
             calls.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(head)), args,
                                             xgr.Grammar.from_ebnf(_literal("}"))))
         body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+        least = max(len(json.dumps(t.name, ensure_ascii=False)) + 25 + min_chars(t.parameters) for t in spec.tools)
         if self.tool_close is not None:  # the grammar ends at `}`; then only the </tool_call> token
             return Constraint(self._tool_compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open,
-                              self.closers)
+                              self.closers, least)
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(_literal(TOOL_CALL_CLOSE)))
-        return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open, self.closers)
+        return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open, self.closers,
+                          least + len(TOOL_CALL_CLOSE))
 
     def stats(self) -> dict[str, int]:
         return {"grammar_cache_hits": self.hits, "grammar_cache_misses": self.misses, "grammar_cache_size": len(self._cache)}
