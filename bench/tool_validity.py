@@ -38,10 +38,11 @@ from typing import Any
 from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
 from router.api import ChatCompletionRequest
 from router.limits import RequestLimits
-from router.tools import extract_tool_calls, plan_tools, response_grammar, to_template_messages
+from router.tools import ToolPlan, extract_tool_calls, plan_tools, response_grammar, to_template_messages
 from specialists.chat import render, validate_arguments
 from specialists.engine import Engine
 from specialists.sampling import SamplingParams
+from specialists.wire import GrammarSpec
 
 log = logging.getLogger("bench.tool_validity")
 DATA = Path("bench/data/tools/bfcl_heldout.jsonl")
@@ -69,10 +70,19 @@ def schema_of(row: dict) -> dict:
     return parameters_of(row["functions"][0].get("parameters"))
 
 
-def check_reply(req: ChatCompletionRequest, text: str, mode: str) -> tuple[bool, str]:
+def prepare(reqs: list[ChatCompletionRequest], mode: str) -> tuple[list[ToolPlan], list[str], list[GrammarSpec | None]]:
+    """Each request as the router serves it: its tool plan, its rendered prompt, its grammar."""
+    limits = RequestLimits()
+    plans = [plan_tools(req) for req in reqs]
+    prompts = [render(to_template_messages(req.messages), plan.prompt_tools, True) + plan.forced_prefix
+               for req, plan in zip(reqs, plans)]
+    specs = [plan.grammar if mode == "tool_required" else response_grammar(req, limits) for req, plan in zip(reqs, plans)]
+    return plans, prompts, specs
+
+
+def check_reply(req: ChatCompletionRequest, plan: ToolPlan, text: str, mode: str) -> tuple[bool, str]:
     """(valid, why not) of one reply (text: the forced prefix, then what the model wrote)."""
     if mode == "tool_required":
-        plan = plan_tools(req)
         got = extract_tool_calls(text, plan)
         if not got.calls:
             return False, "no call" if not got.errors else got.errors[0].error
@@ -97,21 +107,16 @@ def check_reply(req: ChatCompletionRequest, text: str, mode: str) -> tuple[bool,
 def evaluate(model_dir: str, rows: list[dict], mode: str, grammar: bool, max_tokens: int, device: str = "cpu") -> dict[str, Any]:
     engine = Engine.from_pretrained(model_dir, device=device)
     reqs = requests_of(rows, mode)
-    prompts, params = [], []
-    limits = RequestLimits()
+    plans, prompts, specs = prepare(reqs, mode)
     t0 = time.perf_counter()
-    for req in reqs:
-        plan = plan_tools(req)
-        spec = plan.grammar if mode == "tool_required" else response_grammar(req, limits)
-        prompts.append(render(to_template_messages(req.messages), plan.prompt_tools, True) + plan.forced_prefix)
-        params.append(SamplingParams(max_tokens=max_tokens, grammar=engine.grammar(spec) if grammar else None))
+    params = [SamplingParams(max_tokens=max_tokens, grammar=engine.grammar(spec) if grammar else None) for spec in specs]
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=True)
     gen_s = time.perf_counter() - t0
     valid, reasons, failures = 0, Counter(), []
-    for row, req, prompt_prefix, out in zip(rows, reqs, [plan_tools(r).forced_prefix for r in reqs], outs):
-        ok, why = check_reply(req, prompt_prefix + out.text, mode)
+    for row, req, plan, out in zip(rows, reqs, plans, outs):
+        ok, why = check_reply(req, plan, plan.forced_prefix + out.text, mode)
         valid += ok
         reasons[out.finish_reason] += 1
         if not ok:
@@ -137,13 +142,7 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
                "plain": Engine.from_pretrained(model_dir, device=device, policy=SpeculationPolicy(mode="off"))}
     for eng in engines.values():
         eng.warmup()
-    reqs = requests_of(rows, mode)
-    limits = RequestLimits()
-    prompts, specs = [], []
-    for req in reqs:
-        plan = plan_tools(req)
-        specs.append(plan.grammar if mode == "tool_required" else response_grammar(req, limits))
-        prompts.append(render(to_template_messages(req.messages), plan.prompt_tools, True) + plan.forced_prefix)
+    _, prompts, specs = prepare(requests_of(rows, mode), mode)
     out: dict[str, Any] = {}
     tokens: dict[str, list[list[int]]] = {}
     for grammar in (False, True):

@@ -17,9 +17,10 @@ xgrammar's GrammarMatcher) and whether it constrains now (a tool call's grammar 
 
 A row that does not draft (a prefill, a plain step) gets mask 0 only. Masks are xgrammar's bitmask
 layout: int32 words [n, ceil(V / 32)], bit b of word w allows token 32 w + b. They are filled on the
-host and reach the device in one copy per use; steps with a guided row run eagerly (no CUDA graph, no
-drafting ahead), and their drafter chain reads each depth's drafts on the host (a device sync per
-depth on a GPU; free on a CPU).
+host and reach the device from pinned memory without a sync. A step with a guided row keeps its
+static verify (a CUDA graph on a GPU) but never multi-step decodes or drafts made ahead, and its
+drafter chain is eager, reading each depth's drafts on the host (a device sync per depth on a GPU;
+free on a CPU). Near the end of a reply's budget the allowed closing tokens come first (`_close`).
 """
 
 from __future__ import annotations

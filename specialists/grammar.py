@@ -55,8 +55,7 @@ class GrammarError(ValueError):
 class Constraint:
     """A compiled grammar for one tokenizer; `new_guide` gives each request its own matcher."""
 
-    compiled: Any  # xgrammar.CompiledGrammar
-    stop_tokens: tuple[int, ...]  # allowed once the grammar is complete
+    compiled: Any  # xgrammar.CompiledGrammar (its compiler's stop tokens end it: an end of turn, or </tool_call>)
     on_tool_open: bool  # a tool call's body: starts at the <tool_call> token
     closers: torch.Tensor | None = None  # [V] float: 2 for tokens of `"]}` that start with a quote, 1 for `]}` only
     min_chars: int = 0  # characters of the smallest reply the grammar allows (an upper bound on its tokens)
@@ -250,31 +249,39 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> Constraint:
         if spec.kind == "json_object":
-            return Constraint(self._compiler.compile_builtin_json_grammar(), self.end_ids, False, self.closers, 2)
+            return Constraint(self._compiler.compile_builtin_json_grammar(), False, self.closers, 2)
         if spec.kind == "json_schema":
             grammar = self._schema_grammar(spec.schema_ or {})
-            return Constraint(self._compiler.compile_grammar(grammar), self.end_ids, False, self.closers,
-                              min_chars(spec.schema_ or {}))
-        calls = []
+            return Constraint(self._compiler.compile_grammar(grammar), False, self.closers, min_chars(spec.schema_ or {}))
+        least = max(len(json.dumps(t.name, ensure_ascii=False)) + 25 + min_chars(t.parameters) for t in spec.tools)
+        heads = ['{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "arguments": ' for t in spec.tools]
+        args: list[Any] = []
         for tool in spec.tools:
-            head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
             try:
-                args = self._schema_grammar(tool.parameters)
-                if not self._admits(self._compiler.compile_grammar(args)):
-                    raise GrammarError(f"the parameters of {tool.name!r} admit no JSON value")
+                args.append(self._schema_grammar(tool.parameters))
             except GrammarError:
                 if tool.strict:
                     raise
-                args = self._schema_grammar({"type": "object"})  # best effort, as a non-strict call is
-            calls.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(head)), args,
-                                            xgr.Grammar.from_ebnf(_literal("}"))))
+                args.append(self._schema_grammar({"type": "object"}))  # best effort, as a non-strict call is
+        made = self._tool_body(spec, heads, args, least)
+        # arguments that admit no value (a schema like {"$ref": "#"}) show as no token allowed after the
+        # call's head: a strict tool's are refused, a non-strict one's become any object (one more compile)
+        empty = [i for i, head in enumerate(heads) if not self._admits(made.compiled, head)]
+        for i in empty:
+            if spec.tools[i].strict:
+                raise GrammarError(f"the parameters of {spec.tools[i].name!r} admit no JSON value")
+            args[i] = self._schema_grammar({"type": "object"})
+        return self._tool_body(spec, heads, args, least) if empty else made
+
+    def _tool_body(self, spec: GrammarSpec, heads: list[str], args: list[Any], least: int) -> Constraint:
+        """One call to one of the tools: head, arguments, `}`, then `</tool_call>` (its token, or text)."""
+        calls = [xgr.Grammar.concat(xgr.Grammar.from_ebnf(_literal(h)), a, xgr.Grammar.from_ebnf(_literal("}")))
+                 for h, a in zip(heads, args)]
         body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-        least = max(len(json.dumps(t.name, ensure_ascii=False)) + 25 + min_chars(t.parameters) for t in spec.tools)
         if self.tool_close is not None:  # the grammar ends at `}`; then only the </tool_call> token
-            return Constraint(self._tool_compiler.compile_grammar(body), (self.tool_close,), spec.activate_on_tool_open,
-                              self.closers, least)
+            return Constraint(self._tool_compiler.compile_grammar(body), spec.activate_on_tool_open, self.closers, least)
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(_literal(TOOL_CALL_CLOSE)))
-        return Constraint(self._compiler.compile_grammar(body), self.end_ids, spec.activate_on_tool_open, self.closers,
+        return Constraint(self._compiler.compile_grammar(body), spec.activate_on_tool_open, self.closers,
                           least + len(TOOL_CALL_CLOSE))
 
     def stats(self) -> dict[str, int]:
