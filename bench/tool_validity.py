@@ -147,7 +147,7 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
     tokens: dict[str, list[list[int]]] = {}
     for grammar in (False, True):
         for name, eng in engines.items():
-            eng.generate([prompts[0]], SamplingParams(max_tokens=8))  # warm
+            eng.generate([prompts[0]], SamplingParams(max_tokens=8, grammar=eng.grammar(specs[0]) if grammar else None))  # warm
             before = eng.metrics()
             ids, t = [], 0.0
             for prompt, spec in zip(prompts, specs):

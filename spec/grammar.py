@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -127,13 +127,19 @@ class StepMasks:
     rows: dict[int, Guide]  # batch row -> its guide
     device: torch.device = torch.device("cpu")  # where the logits are (a GPU: the host buffers are pinned)
     left: dict[int, int] = field(default_factory=dict)  # batch row -> tokens it may still emit (position 0)
+    # a GPU's fused apply (specialists/ops/grammar_mask.apply_bitmask: logits, words, bonus), and the
+    # device copies of closing preferences it adds (id(closers) -> (closers, bonus)); None: the torch ops
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    buffers: "MaskBuffers | None" = None  # reused host / device buffers (None: fresh ones per step)
     bits: torch.Tensor = field(init=False)  # [len(rows), kmax + 1, W] int32, host
     slot: dict[int, int] = field(init=False)  # batch row -> index into bits
     filled: dict[int, int] = field(init=False)  # batch row -> positions filled (1 + drafts it may verify)
     mask_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.bits = host_words((len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)), self.device)
+        shape = (len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size))
+        # positions are read only once filled, so a reused buffer needs no reset
+        self.bits = host_words(shape, self.device) if self.buffers is None else self.buffers.host("bits", shape)
         self.slot = {b: i for i, b in enumerate(self.rows)}
         self.filled = {b: 0 for b in self.rows}
 
@@ -154,6 +160,9 @@ class StepMasks:
     def apply(self, logits: torch.Tensor, counts: list[int]) -> None:
         """Masks the step's logits [N, V] in place; counts[b]: row b's logits rows (1 for a prefill,
         1 + k for a verify). Positions past a row's filled masks are left alone (never kept)."""
+        if self.kernel is not None:
+            self._apply_fused(logits, counts)
+            return
         rows, src = [], []
         start = 0
         k1 = self.kmax + 1
@@ -165,6 +174,29 @@ class StepMasks:
             start += m
         apply_masks(logits, rows, self.bits.view(-1, self.bits.shape[-1]), src)
         self._close(logits, counts)
+
+    def _apply_fused(self, logits: torch.Tensor, counts: list[int]) -> None:
+        """apply in one copy and one kernel: each logits row's mask words (all allowed for rows not
+        guided and positions past the filled ones) and its close flag (_close's rule)."""
+        R, W = sum(counts), self.bits.shape[-1]
+        buffers = self.buffers if self.buffers is not None else MaskBuffers(self.device)
+        words = buffers.host("words", (R, W + 1))
+        words[:, :W] = -1
+        words[:, W] = 0
+        closers = None
+        start = 0
+        for b, m in enumerate(counts):
+            g = self.rows.get(b)
+            if g is not None:
+                n = min(m, self.filled[b])
+                words[start:start + n, :W] = self.bits[self.slot[b], :n]
+                if g.closers is not None and b in self.left:
+                    closers = g.closers
+                    for j in range(n):
+                        words[start + j, W] = int(self.left[b] - j <= g.reserve)
+            start += m
+        dev = buffers.device_copy("words", words)
+        self.kernel(logits[:R], dev, buffers.bonus(closers))
 
     def _close(self, logits: torch.Tensor, counts: list[int]) -> None:
         """Positions within a guide's reserve of its budget: closing tokens first (CLOSE_BONUS added to
@@ -188,11 +220,53 @@ class StepMasks:
             logits.index_copy_(0, idx, logits.index_select(0, idx) + bonus[: logits.shape[1]])
 
 
+class MaskBuffers:
+    """Host buffers (pinned for a GPU) and device buffers that every step's masks reuse, grown as
+    needed: a step's copies out of them have run by the step's one sync, before the next step writes
+    them. And the device copies of the closing preferences (one per grammar compiler)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._host: dict[str, torch.Tensor] = {}
+        self._dev: dict[str, torch.Tensor] = {}
+        self._bonus: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        buf = self._host.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._host[name] = host_words((max(n, 2 * (0 if buf is None else buf.numel())),), self.device)
+        return buf[:n].view(shape)
+
+    def device_copy(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """src (a host buffer of this object) on the device, queued (no sync on a GPU)."""
+        if self.device.type != "cuda":
+            return src
+        buf = self._dev.get(name)
+        if buf is None or buf.numel() < src.numel():
+            buf = self._dev[name] = torch.empty(max(src.numel(), 2 * (0 if buf is None else buf.numel())),
+                                                dtype=src.dtype, device=self.device)
+        out = buf[:src.numel()].view(src.shape)
+        out.copy_(src, non_blocking=True)
+        return out
+
+    def bonus(self, closers: torch.Tensor | None) -> torch.Tensor:
+        """CLOSE_BONUS * closers on the device (a placeholder the kernel never reads when no row closes)."""
+        hit = self._bonus.get(id(closers))
+        if hit is None:  # the closers object is kept, so its id is not reused
+            bonus = torch.zeros(1, device=self.device) if closers is None else (closers.float() * CLOSE_BONUS).to(self.device)
+            hit = self._bonus[id(closers)] = (closers, bonus)
+        return hit[1]
+
+
 class DraftMasks:
     """The drafter chain's side of a step's masks, for the chain's rows `chain_rows` (batch rows, in
-    the chain's order): `for_depth(j, last)` feeds the previous drafts to the matchers and returns the
-    mask over the drafter's vocabulary for draft j; `finish(last)` fills the mask after the last draft
-    and rolls every matcher back. `counts[i]`: drafts chain row i may verify (a refused draft ends it)."""
+    the chain's order): `depth_words(j, last, out)` feeds draft j-1 (host ids) to the matchers and
+    writes the masks for draft j; `finish_host(last, drafted)` fills the mask after the last draft and
+    rolls every matcher back. `for_depth` / `note` / `finish` are the same for the torch chain, on
+    device tensors. `counts[i]`: drafts chain row i may verify (a refused draft ends it)."""
 
     def __init__(self, masks: StepMasks, chain_rows: list[int], k: int, draft_vocab: torch.Tensor | None,
                  device: torch.device) -> None:
@@ -203,11 +277,14 @@ class DraftMasks:
         self.taken = {b: 0 for _, b in self.guided}  # drafts each matcher has accepted this step
         self.vocab = draft_vocab
         self.device = device
-        self._unmasked: list[torch.Tensor] = []
+        self._unmasked: list[Any] = []  # per depth: [n] whether the mask changed the draft (tensor or list)
 
-    def _feed(self, j: int, last: torch.Tensor) -> None:
-        """Draft j-1 (last [n]) into each guided row still drafting; then that row's mask j."""
-        host = last.tolist()
+    @property
+    def words(self) -> int:
+        return self.masks.bits.shape[-1]
+
+    def _feed(self, j: int, host: list[int]) -> None:
+        """Draft j-1 (host ids [n]) into each guided row still drafting; then that row's mask j."""
         for i, b in self.guided:
             if self.counts[i] < j:  # ended already
                 continue
@@ -224,35 +301,53 @@ class DraftMasks:
                 continue
             self.masks.fill(b)
 
-    def for_depth(self, j: int, last: torch.Tensor | None) -> torch.Tensor | None:
-        """-> allowed [n, N] bool over the drafter's vocabulary for draft j (0-based), None if no row is
-        guided. `last`: draft j-1 of every chain row (None for j = 0)."""
-        if not self.guided:
-            return None
+    def depth_words(self, j: int, last: list[int] | None, out: torch.Tensor) -> None:
+        """out [n, W] (host): the bitmasks for draft j; rows not guided or no longer drafting allow all.
+        `last`: draft j-1 of every chain row (None for j = 0)."""
         if j == 0:
             for _, b in self.guided:
                 if self.masks.filled[b] == 0:
                     self.masks.fill(b)
         else:
             self._feed(j, last)
-        bits = host_words((self.n, self.masks.bits.shape[-1]), self.device)
+        out.fill_(-1)
         for i, b in self.guided:
             if self.counts[i] >= j + 1:
-                bits[i] = self.masks.bits[self.masks.slot[b], j]
+                out[i] = self.masks.bits[self.masks.slot[b], j]
+
+    def for_depth(self, j: int, last: torch.Tensor | None) -> torch.Tensor | None:
+        """-> allowed [n, N] bool over the drafter's vocabulary for draft j (0-based), None if no row is
+        guided. `last`: draft j-1 of every chain row on the device (None for j = 0)."""
+        if not self.guided:
+            return None
+        bits = host_words((self.n, self.words), self.device)
+        self.depth_words(j, None if last is None else last.tolist(), bits)
         allowed = unpack_bitmask(bits.to(self.device, non_blocking=True), self.masks.vocab_size)
         return allowed if self.vocab is None else allowed[:, self.vocab]
 
     def note(self, j: int, chosen: torch.Tensor, unmasked: torch.Tensor) -> None:
-        """Draft j as chosen under the mask and as the drafter would have chosen it (both [n])."""
+        """Draft j as chosen under the mask and as the drafter would have chosen it (both [n], device)."""
         self._unmasked.append((chosen != unmasked))
 
+    def note_host(self, chosen: list[int], unmasked: list[int]) -> None:
+        """The next depth's drafts as chosen and unmasked, host ids."""
+        self._unmasked.append([a != b for a, b in zip(chosen, unmasked)])
+
     def finish(self, last: torch.Tensor, drafted: int) -> None:
-        """After the chain (`drafted` drafts per row): the mask after the last draft, then every matcher
-        rolled back to the committed state; the drafts' counts into the guides."""
+        """finish_host with the last drafts on the device."""
+        if self.guided:
+            self.finish_host(last.tolist(), drafted)
+
+    def finish_host(self, last: list[int], drafted: int) -> None:
+        """After the chain (`drafted` drafts per row; `last`: the last one, host ids): the mask after
+        the last draft, then every matcher rolled back to the committed state; the counts into the guides."""
         if not self.guided:
             return
         self._feed(drafted, last)
-        changed = torch.stack(self._unmasked, dim=1).tolist() if self._unmasked else [[] for _ in range(self.n)]
+        if self._unmasked and isinstance(self._unmasked[0], torch.Tensor):
+            changed = torch.stack(self._unmasked, dim=1).tolist()
+        else:
+            changed = [list(col) for col in zip(*self._unmasked)] if self._unmasked else [[] for _ in range(self.n)]
         for i, b in self.guided:
             g = self.masks.rows[b]
             n = min(self.counts[i], drafted)

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
-from spec.grammar import DraftMasks, StepMasks, active_guide
+from spec.grammar import DraftMasks, MaskBuffers, StepMasks, active_guide, bitmask_words
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
 from state.transfer import device_ints
 
@@ -52,6 +52,10 @@ class Speculator:
         self._pinned: torch.Tensor | None = None  # host copy of a static step's packed output (CUDA)
         self._done: Any = None  # torch.cuda.Event: that copy is done
         self.ahead_used = self.ahead_missed = 0  # steps that used / could not use the drafts made ahead
+        # grammar masks on a GPU: specialists/ops/grammar_mask.apply_bitmask (the engine sets it), and
+        # the device copies of the closing preferences it adds; None: spec/grammar.py's torch ops
+        self.mask_kernel: Callable[..., None] | None = None
+        self._mask_buffers = MaskBuffers(self.device)
 
     def forget(self, seq_id: int) -> None:
         self._draft_index.pop(seq_id, None)
@@ -87,7 +91,8 @@ class Speculator:
         guided = {b: g for b, g in enumerate(active_guide(r.seq) for r in rows) if g is not None}
         if guided:  # grammar masks: filled on the host as the chain goes, applied before acceptance
             plan.masks = StepMasks(self.vocab_size, plan.k, guided, self.device,
-                                   {b: rows[b].seq.params.max_tokens - len(rows[b].seq.output_ids) for b in guided})
+                                   {b: rows[b].seq.params.max_tokens - len(rows[b].seq.output_ids) for b in guided},
+                                   kernel=self.mask_kernel, buffers=self._mask_buffers)
         if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
                 and (not drafting or self.drafter.min_confidence == 0)):
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
@@ -140,8 +145,13 @@ class Speculator:
         """A static step with guided rows: the drafter's eager chain under the grammar's masks, padded to
         the plan's k; a row whose chain stopped early verifies only its own drafts (plan.limits)."""
         seqs = [r.seq for r in plan.rows]
-        drafts, counts = self._draft(seqs, plan.k, DraftMasks(plan.masks, list(range(len(seqs))), plan.k,
-                                                              self.drafter.vocab, self.device))
+        guide = DraftMasks(plan.masks, list(range(len(seqs))), plan.k, self.drafter.vocab, self.device)
+        if self.drafter.chains_in_pool:  # the fused chain: a graph per depth, masked on the device
+            ids, st = [r.seq_id for r in plan.rows], plan.static
+            drafts, counts = self.drafter.chain_guided(self._draft_out, [self._draft_index[i] for i in ids], st.committed,
+                                                       [self.kv.block_table(i) for i in ids], plan.k, st.rows, st.width, guide)
+        else:
+            drafts, counts = self._draft(seqs, plan.k, guide)
         plan.limits = [min(plan.k, n) for n in counts]
         if drafts.shape[1] < plan.k:
             drafts = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], plan.k - drafts.shape[1])], dim=1)
@@ -297,6 +307,8 @@ class Speculator:
             if k:
                 n += self.runner.capture(b, 1 + k, w, post)
                 n += self.drafter.capture_chain(b, k, w)
+                if self.mask_kernel is not None:  # the drafter's chain under a grammar, a graph per depth
+                    n += self.drafter.capture_guided(b, k, w, bitmask_words(self.vocab_size))
                 outputs = self.runner.static_outputs(b, 1 + k, w, post)
                 if self.ahead and post is not None and outputs is not None:
                     ctx, tables = self.runner.static_views(b)

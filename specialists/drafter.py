@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specialists.drafter_fused import ENTRY_ROWS, DrafterWeights, FusedDrafter, RopeTable
+from specialists.drafter_guided import capture_guided_chain, guided_chain
 from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
@@ -192,6 +193,15 @@ class PagedDrafter:
         if self.min_confidence > 0:
             raise ValueError("chain_static drafts without a confidence floor")
         key = (num_rows, k, width)
+        c, idx, tables = self._stage(key, source, rows, committed, tables, width + k)
+        return self.graphs.run(key, lambda: self._static_drafts(self._entries.index_select(0, idx), c, tables, k, width))
+
+    def _stage(self, key: tuple, source: torch.Tensor, rows: list[int], committed: list[int], tables: list[list[int]],
+               max_pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A static chain's inputs from the host's lists, in one copy to key's staging buffer (key:
+        (num_rows, k, width)) -> device views (contexts [Bp], source rows [Bp], tables [Bp, nblk]);
+        each sequence's last entry is put in _entries when the source is not already there."""
+        num_rows, _, width = key
         nblk = width // self.block_size
         st = self._static.get(key)
         if st is None:
@@ -215,9 +225,19 @@ class PagedDrafter:
             buf.copy_(host, non_blocking=True)
         if not in_place:  # an eager rebuild's (a prefill step's) outputs
             self._entries[:S].copy_(source[device_ints(rows, source.device)])
-        self._grow(width + k)  # outside a capture
-        c, idx, tables = buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:].view(num_rows, nblk)
-        return self.graphs.run(key, lambda: self._static_drafts(self._entries.index_select(0, idx), c, tables, k, width))
+        self._grow(max_pos)  # outside a capture
+        return buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:].view(num_rows, nblk)
+
+    @torch.inference_mode()
+    def chain_guided(self, source: torch.Tensor, rows: list[int], committed: list[int], tables: list[list[int]],
+                     k: int, num_rows: int, width: int, guide: DraftMasks) -> tuple[torch.Tensor, list[int]]:
+        """chain_static under a grammar (the fused kernels only): a graph per depth, each draft masked on
+        the device by the bitmask the host filled after reading the draft before it (specialists/
+        drafter_guided.py) -> drafts [Bp, k] (a static tensor) and the drafts each row may verify."""
+        if self.fused is None:
+            raise ValueError("chain_guided needs the fused drafter")
+        c, idx, tabs = self._stage((num_rows, k, width), source, rows, committed, tables, width + k)
+        return guided_chain(self, (num_rows, k, width), c, idx, tabs, len(rows), guide)
 
     def capture_chain(self, num_rows: int, k: int, width: int) -> bool:
         """Captures chain_static's graph for (num_rows, k, width) on padding rows (context 0, the
@@ -255,6 +275,18 @@ class PagedDrafter:
             return self._static_drafts(prev, c, tables, k, width)
 
         return self.graphs.run(key, chain)
+
+    def capture_guided(self, num_rows: int, k: int, width: int, words: int) -> int:
+        """Captures chain_guided's graphs (one per depth) for (num_rows, k, width) on padding rows, for
+        grammars over `words` mask words; -> how many (0 without graphs or the fused drafter)."""
+        if not self.graphs.enabled or self.fused is None or self.graphs.has(("guided", 0, num_rows, k, width)):
+            return 0
+        source = torch.zeros(1, self.cfg.hidden_size, dtype=self.k.dtype, device=self.k.device)
+        with torch.inference_mode():
+            c, idx, tabs = self._stage((num_rows, k, width), source, [0], [0], [[self.scratch_block]], width + k)
+            n = capture_guided_chain(self, (num_rows, k, width), c, idx, tabs, words)
+        torch.cuda.synchronize()  # the staging buffer is rewritten by the next call
+        return n
 
     def capture_chain_ahead(self, source: torch.Tensor, packed: torch.Tensor, context: torch.Tensor,
                             tables: torch.Tensor, k: int, width: int) -> bool:

@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from spec.triggers import TriggerSet
 from specialists.base_checkpoint import resolve_weights
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
-from specialists.guided import Grammars, commit_grammars, serving_hints
+from specialists.guided import Grammars, commit_grammars, mask_kernel, serving_hints
 from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
@@ -40,6 +41,7 @@ from specialists.options import EngineConfig, EngineOptions
 from specialists.outputs import RequestError, RequestOutput, merge_status
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
+from specialists.wire import GrammarSpec
 from specialists.scheduler import Scheduler, Sequence, Status
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
@@ -77,6 +79,7 @@ class Engine:
             raise MissingDrafterError("speculation needs an MTP drafter; pass one or use mode 'off'")
         self.gate = SpeculationGate(policy)
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
+        self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
         self.scheduler.draft_lookahead = self.speculator.ahead_pool
         tok = tokenizer.convert_tokens_to_ids
         eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
@@ -143,6 +146,8 @@ class Engine:
             for mode in modes:
                 self.gate.set_policy(policy.model_copy(update={"mode": mode}))
                 self.generate([ids], params)
+                if self.speculator.mask_kernel is not None:  # its kernels compile now, not in a request
+                    self.generate([ids], replace(params, grammar=self.grammar(GrammarSpec(kind="json_object"))))
         finally:
             self.gate.set_policy(policy)  # the warm-up's acceptance does not count
         self.ready = True

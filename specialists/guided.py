@@ -11,12 +11,24 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from spec.grammar import GrammarViolation
 from spec.stats import SpecStats
 
 log = logging.getLogger(__name__)
+
+
+def mask_kernel(fused: bool, device: Any) -> Callable[..., None] | None:
+    """The GPU's one-kernel grammar mask (specialists/ops/grammar_mask.py) where the fused drafter's
+    Triton kernels run; None elsewhere (spec/grammar.py's torch ops)."""
+    if not fused or torch.device(device).type != "cuda":
+        return None
+    from specialists.ops.grammar_mask import apply_bitmask
+
+    return apply_bitmask
 
 
 def serving_hints(path: Path) -> dict:

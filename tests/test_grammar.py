@@ -81,6 +81,58 @@ def test_constrained_greedy_speculation_equals_plain(domain: str, static: bool) 
     assert attrs["cantata.grammar_steps"] > 0 and "cantata.grammar_masked_drafts" in attrs and attrs["cantata.grammar_mask_s"] > 0
 
 
+def test_mask_kernels_match_the_torch_ops() -> None:
+    """specialists/ops/grammar_mask.py (Triton's interpreter here) against spec/grammar.py's torch ops:
+    the masked logits with the closing bonus on flagged rows, and the masked / unmasked argmax over a
+    draft vocabulary (as full-vocabulary ids; a row with nothing allowed gets the first id)."""
+    from specialists.ops.grammar_mask import apply_bitmask, masked_argmax
+
+    g = torch.Generator().manual_seed(0)
+    V = 3000
+    W = bitmask_words(V)
+    words = torch.randint(-2**31, 2**31 - 1, (5, W + 1), dtype=torch.int32, generator=g)
+    words[:, W] = torch.tensor([0, 1, 0, 1, 0], dtype=torch.int32)
+    words[2, :W] = -1
+    logits, bonus = torch.randn(5, V, generator=g), torch.rand(V, generator=g) * 1e4
+    want = torch.where(unpack_bitmask(words[:, :W], V), logits + bonus * (words[:, W:] != 0), float("-inf"))
+    apply_bitmask(logits, words, bonus)
+    assert torch.equal(logits, want)
+    vocab = torch.randperm(V, generator=g)[:1500].sort().values
+    drafter = torch.randn(4, 1500, generator=g)
+    bits = words[:4, :W].contiguous()
+    bits[3] = 0
+    best, free = torch.empty(4, dtype=torch.int64), torch.empty(4, dtype=torch.int64)
+    masked_argmax(drafter, bits, vocab, best, free)
+    allowed = unpack_bitmask(bits, V)[:, vocab]
+    assert best.tolist() == vocab[drafter.masked_fill(~allowed, float("-inf")).argmax(-1)].tolist()
+    assert free.tolist() == vocab[drafter.argmax(-1)].tolist() and best[3] == vocab[0]
+    assert all(allowed[i, (vocab == best[i]).nonzero()[0, 0]] for i in range(3))
+
+
+@pytest.mark.slow
+def test_fused_guided_chain_equals_plain() -> None:
+    """The GPU's path, here through Triton's interpreter (slow: one short reply): the drafter's static
+    chain a graph per depth with the grammar's masked argmax on the device (specialists/drafter_guided.py),
+    the target's masks applied by one kernel in both engines; the same tokens as plain decoding, every
+    verified draft one the grammar accepts, and the reply closes within its budget."""
+    from specialists.ops.grammar_mask import apply_bitmask
+
+    spec_engine = _engine("shell", static_batches=True, fused_drafter=True, grammar_bounds={})
+    plain = _engine("shell", mode="off", grammar_bounds={})
+    assert spec_engine.drafter.chains_in_pool
+    spec_engine.speculator.mask_kernel = plain.speculator.mask_kernel = apply_bitmask
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    gspec = GrammarSpec(kind="json_schema", schema=schema)
+    outs = {name: eng.generate(_prompts(1), SamplingParams(max_tokens=24, grammar=eng.grammar(gspec)))[0]
+            for name, eng in (("spec", spec_engine), ("plain", plain))}
+    assert outs["spec"].token_ids == outs["plain"].token_ids
+    assert spec_engine.drafter.__dict__.get("_guided")  # the guided chain's buffers: it ran
+    m = spec_engine.metrics()
+    assert m["grammar_drafts"] > 0 and m["accepted"] > 0 and m["grammar_masked_drafts"] > 0
+    assert outs["spec"].finish_reason == "stop", outs["spec"].text
+    jsonschema.validate(json.loads(outs["spec"].text), schema)
+
+
 @pytest.mark.parametrize("domain", ["shell", "cpp"])
 def test_json_closes_within_a_tight_budget(domain: str) -> None:
     """No bounds (grammar_bounds {}), strings and arrays left open, 40 tokens: the toys would repeat

@@ -1,0 +1,92 @@
+"""The drafter's static chain under a grammar: a CUDA graph per depth, the host between them.
+
+Draft j of each row is the argmax of the drafter's logits under the bitmask of its grammar state after
+drafts 0..j-1 (specialists/ops/grammar_mask.masked_argmax, over the draft vocabulary, as full-vocabulary
+ids). The host fills that bitmask (spec/grammar.DraftMasks) after reading draft j-1, so a depth costs
+one graph replay (the fused drafter's kernels, ~8), one copy of the mask in and one read of the depth's
+drafts out, masked and unmasked (the second only for the stat of drafts the mask changed). The eager
+torch chain it replaces cost ~30 launches per depth. Each depth's graph reads and writes only this
+chain's static buffers, the staged contexts and tables, and the drafter's pool at the chained entry's
+own index (C + depth - 2, reserved by the verify and overwritten by its rebuild), as FusedDrafter.chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specialists.ops.grammar_mask import masked_argmax
+
+
+@dataclass
+class GuidedBuffers:
+    prev: torch.Tensor  # [k, Bp, d] each depth's entry output
+    drafts: torch.Tensor  # [k, Bp] int64 masked drafts, full-vocabulary ids
+    free: torch.Tensor  # [k, Bp] int64 the drafter's own picks
+    words: torch.Tensor  # [Bp, W] int32 the depth's bitmasks, on the device
+    host: torch.Tensor  # [Bp, W] int32 the same on the host (pinned on a GPU); padding rows allow all
+
+
+def _buffers(drafter: Any, num_rows: int, k: int, words: int) -> GuidedBuffers:
+    cache = drafter.__dict__.setdefault("_guided", {})
+    key = (num_rows, k, words)
+    if key not in cache:
+        dev, d = drafter.k.device, drafter.cfg.hidden_size
+        host = torch.full((num_rows, words), -1, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        cache[key] = GuidedBuffers(torch.zeros(k, num_rows, d, dtype=drafter.k.dtype, device=dev),
+                                   torch.zeros(k, num_rows, dtype=torch.int64, device=dev),
+                                   torch.zeros(k, num_rows, dtype=torch.int64, device=dev),
+                                   host.to(dev), host)
+    return cache[key]
+
+
+def _depth(f: Any, buf: GuidedBuffers, j: int, c: torch.Tensor, idx: torch.Tensor, tables: torch.Tensor,
+           k: int, width: int) -> None:
+    """Depth j of the chain (in a graph): entry output, then the masked greedy draft."""
+    ops = f.ops
+    if j == 0:
+        prev = f.entries.index_select(0, idx)
+    else:
+        x = ops.rows_linear(buf.prev[j - 1], f.w.hidden, norm_eps=f.eps, tokens=buf.drafts[j - 1], table=f.w.token_proj)
+        q = f._qkv(x, committed=c, tables=tables, entry_add=j - 1)
+        o = ops.paged_attention(q, f.k, f.v, tables, c, j, f.scale, 1, width + k)
+        prev = f._layer(x, o)
+    buf.prev[j].copy_(prev)
+    logits = ops.rows_linear(prev, f.w.head, norm_eps=f.eps)
+    masked_argmax(logits, buf.words, f.vocab, buf.drafts[j], buf.free[j])
+
+
+def _run_depth(drafter: Any, buf: GuidedBuffers, j: int, key: tuple[int, int, int], c: torch.Tensor,
+               idx: torch.Tensor, tables: torch.Tensor) -> None:
+    num_rows, k, width = key
+    drafter.graphs.run(("guided", j) + key, lambda: _depth(drafter.fused, buf, j, c, idx, tables, k, width))
+
+
+def capture_guided_chain(drafter: Any, key: tuple[int, int, int], c: torch.Tensor, idx: torch.Tensor,
+                         tables: torch.Tensor, words: int) -> int:
+    """Every depth's graph for key (at warm-up, on staged padding rows) -> how many were captured."""
+    buf = _buffers(drafter, key[0], key[1], words)
+    before = len(drafter.graphs)
+    for j in range(key[1]):
+        _run_depth(drafter, buf, j, key, c, idx, tables)
+    return len(drafter.graphs) - before
+
+
+def guided_chain(drafter: Any, key: tuple[int, int, int], c: torch.Tensor, idx: torch.Tensor, tables: torch.Tensor,
+                 S: int, guide: Any) -> tuple[torch.Tensor, list[int]]:
+    """key (Bp, k, width); c, idx, tables: the staged static inputs (PagedDrafter._stage); S real rows;
+    guide: spec.grammar.DraftMasks over those rows -> drafts [Bp, k] and the drafts each row may verify."""
+    num_rows, k, _ = key
+    buf = _buffers(drafter, num_rows, k, guide.words)
+    last = None
+    for j in range(k):
+        guide.depth_words(j, last, buf.host[:S])
+        buf.words.copy_(buf.host, non_blocking=True)
+        _run_depth(drafter, buf, j, key, c, idx, tables)
+        chosen, free = torch.stack((buf.drafts[j, :S], buf.free[j, :S])).tolist()  # the depth's one read
+        guide.note_host(chosen, free)
+        last = chosen
+    guide.finish_host(last, k)
+    return buf.drafts.t().contiguous(), guide.counts
