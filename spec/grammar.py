@@ -175,9 +175,10 @@ class StepMasks:
         apply_masks(logits, rows, self.bits.view(-1, self.bits.shape[-1]), src)
         self._close(logits, counts)
 
-    def _apply_fused(self, logits: torch.Tensor, counts: list[int]) -> None:
-        """apply in one copy and one kernel: each logits row's mask words (all allowed for rows not
-        guided and positions past the filled ones) and its close flag (_close's rule)."""
+    def words(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's mask words per logits row (counts as for apply) -> (host [R, W + 1] int32: the row's
+        mask, all allowed for rows not guided and positions past the filled ones, then its close flag
+        by _close's rule; the closers the flagged rows use, or None)."""
         R, W = sum(counts), self.bits.shape[-1]
         buffers = self.buffers if self.buffers is not None else MaskBuffers(self.device)
         words = buffers.host("words", (R, W + 1))
@@ -195,8 +196,13 @@ class StepMasks:
                     for j in range(n):
                         words[start + j, W] = int(self.left[b] - j <= g.reserve)
             start += m
-        dev = buffers.device_copy("words", words)
-        self.kernel(logits[:R], dev, buffers.bonus(closers))
+        return words, closers
+
+    def _apply_fused(self, logits: torch.Tensor, counts: list[int]) -> None:
+        """apply in one copy and one kernel (self.kernel)."""
+        words, closers = self.words(counts)
+        buffers = self.buffers if self.buffers is not None else MaskBuffers(self.device)
+        self.kernel(logits[:words.shape[0]], buffers.device_copy("words", words), buffers.bonus(closers))
 
     def _close(self, logits: torch.Tensor, counts: list[int]) -> None:
         """Positions within a guide's reserve of its budget: closing tokens first (CLOSE_BONUS added to

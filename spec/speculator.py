@@ -163,18 +163,26 @@ class Speculator:
         if plan.multi > 1:
             return self.runner.run_multi(plan.rows, plan.multi)  # (tokens [Bp, S], packed [Bp, 2S])
         in_graph = self._rebuild_in_graph(plan)
+        masks = None
+        if plan.masks is not None and plan.static is not None and getattr(self.runner, "static_masks", None) is not None:
+            t0 = time.perf_counter()  # a GPU's guided static step: the masks go into the step's graph
+            plan.masks.fill_first()
+            words, closers = plan.masks.words([1 + r.k for r in plan.rows])
+            masks = (words, None if closers is None else self._mask_buffers.bonus(closers))
+            plan.masks.mask_s += time.perf_counter() - t0
         return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None,
-                               static=plan.static is not None or plan.masks is None)
+                               static=plan.static is not None or plan.masks is None, masks=masks)
 
     def accept(self, plan: StepPlan, proposal: Proposal, res: Any) -> Accepted:
         """Each row's kept drafts and target token (spec/acceptance.py), packed for the host; on the device."""
         B = len(plan.rows)
         if plan.multi > 1:  # every token of the multi-step decode is kept (the engine cuts the runs)
             return Accepted(res[0][:B], res[1][:B])
-        if res.static is not None and plan.greedy and plan.masks is None:  # the graph accepted and packed its rows
+        masked = res.static is not None and res.static.masked  # the graph applied the grammars' masks
+        if res.static is not None and plan.greedy and (plan.masks is None or masked):  # the graph accepted and packed its rows
             return Accepted(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B])
         drafts = None if proposal.drafts is None else proposal.drafts[:B]
-        if plan.masks is not None:  # each guided row's logits keep only what its grammar allows there
+        if plan.masks is not None and not masked:  # each guided row's logits keep only what its grammar allows there
             t0 = time.perf_counter()
             plan.masks.fill_first()
             plan.masks.apply(res.logits, [1 if r.prefill else 1 + r.k for r in plan.rows])
@@ -211,6 +219,8 @@ class Speculator:
             host = accepted.packed.tolist()  # the one host sync of the step
             drafts_next = self._chain_ahead(plan, static) if ahead else None
         runs, drafts = unpack(host, [r.k for r in plan.rows], plan.k)
+        if plan.limits is not None:  # a guided chain that stopped early: the graph's acceptance did not know
+            runs = [run[:lim + 1] for run, lim in zip(runs, plan.limits)]
         if ahead:  # valid next step if every run is committed whole and the same sequences decode
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
                                      [c + len(run) for c, run in zip(plan.static.committed, runs)], plan.k, drafts_next)
@@ -300,8 +310,11 @@ class Speculator:
             return 0
         post = self.drafter.rebuild if rebuild and self.drafter is not None else None
         n = 0
+        masked = getattr(self.runner, "static_masks", None) is not None  # guided steps: their own graphs
         for b, w in tqdm(self.runner.graph_shapes(max_rows), desc="CUDA graphs", unit="shape", disable=not progress):
             n += self.runner.capture(b, 1, w, post)
+            if masked:
+                n += self.runner.capture(b, 1, w, post, masked=True) + (self.runner.capture(b, 1 + k, w, post, masked=True) if k else 0)
             if self.runner.decode_steps > 1:  # specialists/multistep.py: plain steps, and auto's fallback steps
                 n += self.runner.capture(b, 1, w, steps=self.runner.decode_steps)
             if k:

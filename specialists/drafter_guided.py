@@ -4,7 +4,10 @@ Draft j of each row is the argmax of the drafter's logits under the bitmask of i
 drafts 0..j-1 (specialists/ops/grammar_mask.masked_argmax, over the draft vocabulary, as full-vocabulary
 ids). The host fills that bitmask (spec/grammar.DraftMasks) after reading draft j-1, so a depth costs
 one graph replay (the fused drafter's kernels, ~8), one copy of the mask in and one read of the depth's
-drafts out, masked and unmasked (the second only for the stat of drafts the mask changed). The eager
+drafts out, masked and unmasked (the second only for the stat of drafts the mask changed). (Not
+reading the last depth saves a sync but leaves no mask for the token after it, so a row that keeps
+every draft must drop that token: measured on an H100, acceptance fell from 0.39-0.46 to 0.32-0.35 on
+the toys and the constrained speed-up did not improve; not kept.) The eager
 torch chain it replaces cost ~30 launches per depth. Each depth's graph reads and writes only this
 chain's static buffers, the staged contexts and tables, and the drafter's pool at the chained entry's
 own index (C + depth - 2, reserved by the verify and overwritten by its rebuild), as FusedDrafter.chain.

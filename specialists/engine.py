@@ -147,7 +147,7 @@ class Engine:
                 self.gate.set_policy(policy.model_copy(update={"mode": mode}))
                 self.generate([ids], params)
                 if self.speculator.mask_kernel is not None:  # its kernels compile now, not in a request
-                    self.generate([ids], replace(params, grammar=self.grammar(GrammarSpec(kind="json_object"))))
+                    self.generate([ids], replace(params, ignore_eos=False, grammar=self.grammar(GrammarSpec(kind="json_object"))))
         finally:
             self.gate.set_policy(policy)  # the warm-up's acceptance does not count
         self.ready = True

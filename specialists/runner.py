@@ -42,6 +42,8 @@ from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
 from specialists.multistep import multi_decode
 from specialists.options import EngineConfig
+from specialists.static_masks import StaticMask, StaticMasks
+from specialists.step_result import Staged, StaticOutputs, StepResult
 from specialists.staging import BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width
 from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
@@ -50,9 +52,10 @@ from state.transfer import device_ints
 Rebuild = Callable[[ForwardBatch, torch.Tensor, torch.Tensor], torch.Tensor]  # (batch, hidden, next tokens) -> entries
 
 
-def _step_key(rows: int, q: int, width: int, rebuild: Rebuild | None) -> tuple:
-    """The graph key of a static step: its shape, and whether the drafter's rebuild is in it."""
-    return ("step", rows, q, width, rebuild is not None)
+def _step_key(rows: int, q: int, width: int, rebuild: Rebuild | None, masked: bool = False) -> tuple:
+    """The graph key of a static step: its shape, whether the drafter's rebuild is in it, and whether
+    it masks its logits with grammars (specialists/static_masks.py)."""
+    return ("step", rows, q, width, rebuild is not None) + (("masked",) if masked else ())
 
 
 class BatchRow(NamedTuple):
@@ -67,32 +70,6 @@ class BatchRow(NamedTuple):
     @property
     def q(self) -> int:
         return len(self.tokens) + self.k
-
-
-class Staged(NamedTuple):
-    """A static step's per-token Mamba states, [Bp, q, L, ...] stacked over its Mamba layers."""
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
-
-
-class StaticOutputs(NamedTuple):
-    """What a static step (graph) computes over its padded batch; rewritten by each replay."""
-
-    hidden: torch.Tensor  # [Tp, d]
-    logits: torch.Tensor  # [Tp, V] float32
-    best: torch.Tensor  # [Tp] argmax of each logits row
-    draft_out: torch.Tensor | None  # [Tp, d] the drafter's rebuilt entries (rebuild in the graph)
-    staged: Staged | None  # the Mamba layers' per-token states (hybrids)
-    packed: torch.Tensor  # [Bp, 2q] the rows' greedy acceptance, spec.acceptance.pack's layout
-
-
-@dataclass
-class StepResult:
-    logits: torch.Tensor  # [n, V] float32, rows at batch.logits_indices (prefill: last token; decode: all)
-    hidden: torch.Tensor  # [T, d] the final-normed hidden state of every (real) token of the batch
-    batch: ForwardBatch  # the real rows (views into the runner's static buffers: valid until the next step)
-    static: StaticOutputs | None = None  # a static batch's graph outputs (padded rows included)
 
 
 @dataclass
@@ -122,9 +99,12 @@ class Runner:
         self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len),
                                    max_seqs=max(16, bucket_size(cfg.max_num_seqs)), max_blocks=max(64, blocks))
         self.graphs = GraphCache(cfg.cuda_graphs)
+        # guided static steps mask their logits in the step (its graph) where the Triton kernels run
+        self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None
         self._generation = self.inputs.generation
         self.padded_steps = 0  # steps that ran with padding rows (for tests and metrics)
         self.static_steps = 0  # steps that ran as static batches (graphs on CUDA)
+        self.masked_steps = 0  # of those, steps that masked their logits with grammars in the step
 
     # ---- shapes ------------------------------------------------------------------------------
 
@@ -297,17 +277,23 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, rows: list[BatchRow], drafts: torch.Tensor | None = None, rebuild: Rebuild | None = None,
-            static: bool = True) -> StepResult:
+            static: bool = True, masks: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> StepResult:
         """One target forward. drafts [n, kmax] (device): see _place_drafts. `rebuild` (a static batch
         only): the drafter's rebuild, run after the forward (in its graph) with each token's argmax as
-        the next token. static False: eager (its logits are masked before acceptance)."""
+        the next token. static False: eager (its logits are masked before acceptance). `masks` (a
+        static batch, with static_masks): grammar mask words per real logits row and the closing bonus,
+        applied in the graph before the argmax (StepResult.static.masked)."""
         batch, real = self.build(rows, static=static)
         if drafts is not None:
             self._place_drafts(batch, rows, drafts)
         if not batch.static:
             hidden = self.model.forward(batch, self.kv, self.ssm)[: real.num_tokens]  # [T, d]
             return StepResult(self.model.logits(hidden[real.logits_indices]).float(), hidden, real)
-        out = self._static_step(batch, rebuild)
+        mask = None
+        if masks is not None and self.static_masks is not None:
+            mask = self.static_masks.stage(batch.num_seqs * batch.max_query_len, *masks)
+            self.masked_steps += 1
+        out = self._static_step(batch, rebuild, mask)
         if out.staged is not None:  # the Mamba states of each token, committed after acceptance (real rows only)
             B = len(rows)
             self.ssm.stage_all([r.ssm_slot for r in rows], out.staged.conv[:B], out.staged.ssm[:B])
@@ -333,7 +319,7 @@ class Runner:
             self.graphs.clear()
             self._generation = self.inputs.generation
 
-    def _static_step(self, batch: ForwardBatch, rebuild: Rebuild | None) -> StaticOutputs:
+    def _static_step(self, batch: ForwardBatch, rebuild: Rebuild | None, mask: StaticMask | None = None) -> StaticOutputs:
         """The graph of a static batch (captured on its shape's first call): forward, logits, argmax,
         the rows' greedy acceptance packed for the host and, given, the drafter's rebuild."""
         self._check_generation()
@@ -343,6 +329,8 @@ class Runner:
             batch.staged = []
             hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
             logits = self.model.logits(hidden).float()
+            if mask is not None:  # a guided step's grammar masks (static buffers)
+                mask.apply(logits)
             best = logits.argmax(-1)
             staged = None
             if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
@@ -351,21 +339,25 @@ class Runner:
             fed = batch.input_ids.view(batch.num_seqs, -1)[:, 1:]  # [Bp, q-1] the drafts verified
             packed = pack(greedy_accept(best.view(batch.num_seqs, -1), fed), fed)
             draft_out = None if rebuild is None else rebuild(batch, hidden, best)
-            return StaticOutputs(hidden=hidden, logits=logits, best=best, draft_out=draft_out, staged=staged, packed=packed)
+            return StaticOutputs(hidden=hidden, logits=logits, best=best, draft_out=draft_out, staged=staged, packed=packed,
+                                 masked=mask is not None)
 
-        return self.graphs.run(_step_key(batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild), step)
+        return self.graphs.run(_step_key(batch.num_seqs, batch.max_query_len, batch.max_context_len, rebuild,
+                                         mask is not None), step)
 
     # ---- graphs ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None, steps: int = 1) -> bool:
+    def capture(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None, steps: int = 1,
+                masked: bool = False) -> bool:
         """Captures the static step graph of (num_rows bucket, q tokens per row, context width) on a
         batch of padding rows only (they read and write only the scratch block and slot), so that no
         request pays for the capture; steps > 1: the multi-step decode graph (q = 1). False when there
         are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
-        key = ("multi", Bp, steps, width) if steps > 1 else _step_key(Bp, q, width, rebuild)
-        if not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q) or (steps > 1 and self.ssm is not None):
+        key = ("multi", Bp, steps, width) if steps > 1 else _step_key(Bp, q, width, rebuild, masked)
+        if (not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q) or (steps > 1 and self.ssm is not None)
+                or (masked and self.static_masks is None)):
             return False
         inp = self.inputs
         inp.ensure(Bp * q, Bp, inp.max_blocks)
@@ -375,7 +367,8 @@ class Runner:
         self._pad_rows(0, Bp, 0, q, True, lay.width)
         inp.upload()
         views = self._views(lay, Bp, lay.Tp, lay.Tp, [-1] * Bp, [q] * Bp, [False] * Bp, width)
-        self._multi_step(views, steps) if steps > 1 else self._static_step(views, rebuild)
+        mask = self.static_masks.buffers(Bp * q) if masked else None
+        self._multi_step(views, steps) if steps > 1 else self._static_step(views, rebuild, mask)
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
         return True
 

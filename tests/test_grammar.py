@@ -113,20 +113,24 @@ def test_mask_kernels_match_the_torch_ops() -> None:
 def test_fused_guided_chain_equals_plain() -> None:
     """The GPU's path, here through Triton's interpreter (slow: one short reply): the drafter's static
     chain a graph per depth with the grammar's masked argmax on the device (specialists/drafter_guided.py),
-    the target's masks applied by one kernel in both engines; the same tokens as plain decoding, every
+    the target's masks applied by one kernel in both engines (inside the static verify step for the
+    speculative one and a static plain one, outside for an eager plain one); the same tokens as plain decoding, every
     verified draft one the grammar accepts, and the reply closes within its budget."""
     from specialists.ops.grammar_mask import apply_bitmask
 
     spec_engine = _engine("shell", static_batches=True, fused_drafter=True, grammar_bounds={})
     plain = _engine("shell", mode="off", grammar_bounds={})
+    plain_static = _engine("shell", mode="off", grammar_bounds={}, static_batches=True, fused_drafter=True)
     assert spec_engine.drafter.chains_in_pool
     spec_engine.speculator.mask_kernel = plain.speculator.mask_kernel = apply_bitmask
     schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
     gspec = GrammarSpec(kind="json_schema", schema=schema)
     outs = {name: eng.generate(_prompts(1), SamplingParams(max_tokens=24, grammar=eng.grammar(gspec)))[0]
-            for name, eng in (("spec", spec_engine), ("plain", plain))}
-    assert outs["spec"].token_ids == outs["plain"].token_ids
+            for name, eng in (("spec", spec_engine), ("plain", plain), ("plain_static", plain_static))}
+    assert outs["spec"].token_ids == outs["plain"].token_ids == outs["plain_static"].token_ids
     assert spec_engine.drafter.__dict__.get("_guided")  # the guided chain's buffers: it ran
+    assert spec_engine.runner.masked_steps > 0 and plain.runner.masked_steps == 0  # masks in the verify step
+    assert plain_static.runner.masked_steps > 0  # and in a plain static decode step
     m = spec_engine.metrics()
     assert m["grammar_drafts"] > 0 and m["accepted"] > 0 and m["grammar_masked_drafts"] > 0
     assert outs["spec"].finish_reason == "stop", outs["spec"].text
