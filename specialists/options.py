@@ -49,6 +49,10 @@ class EngineOptions:
     # (specialists/grammar.Bounds' fields: max_string, max_items, number_range); None: the checkpoint's
     # cantata.json "serving": {"grammar_bounds": ...} if any, else none (integers stay in JSON's safe range)
     grammar_bounds: dict | None = None
+    # the target's products on the CPU (specialists/quantize.py): "none" (fp32 / the checkpoint's dtype) or
+    # "int8" (weight-only int8 per output row, bf16 activations; a verify's rows give a plain decode's
+    # products bit for bit); None: "none"
+    quantization: str | None = None
 
     @classmethod
     def from_keywords(cls, base: EngineOptions | None = None, **kw) -> EngineOptions:
@@ -72,6 +76,8 @@ class EngineOptions:
         if model_max_len is not None:
             limit = min(limit, model_max_len)
         num_blocks = self.num_blocks or self.max_num_seqs * -(-limit // self.block_size)
+        if self.quantization not in (None, "none", "int8"):
+            raise OptionsError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
         if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
             raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
         return EngineConfig(
@@ -82,6 +88,7 @@ class EngineOptions:
             draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
+            quantization=self.quantization or "none",
         )
 
 
@@ -105,6 +112,7 @@ class EngineConfig:
     cuda_graphs: bool
     fused_drafter: bool
     decode_steps: int
+    quantization: str = "none"
 
 
 def _decode_steps(asked: int | None, graphs: bool, block_size: int) -> int:

@@ -35,11 +35,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "onednn_enabled", "proposal_linear"]
+__all__ = ["linear", "onednn_enabled", "proposal_linear", "quantize_int8"]
 
 _HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
 _lock = threading.Lock()
 _packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(w) -> (ref to w, w._version, packed)
+_quantized: dict[int, tuple[weakref.ref, "_Int8Linear"]] = {}  # id(w) -> (ref to w, its int8 product): quantize_int8
 
 
 def _available() -> bool:
@@ -85,6 +86,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if _few_rows_cuda(x, w):
         out = torch.matmul(x[:, None, None, :], w.t()[None]).view(x.shape[0], w.shape[0])  # batched over rows
         return out if b is None else out + b
+    if _quantized and x.device.type == "cpu":
+        hit = _quantized.get(id(w))
+        if hit is not None and hit[0]() is w:  # weight-only int8 (quantize_int8)
+            out = hit[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
+            return out if b is None else out + b
     if not (_ENABLED and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
             and w.dim() == 2 and x.numel() and not torch.is_grad_enabled()):
         return F.linear(x, w, b)
@@ -122,3 +128,16 @@ def proposal_linear(w: torch.Tensor):
             and hasattr(torch, "_weight_int8pack_mm")):
         return _Int8Linear(w)
     return lambda x, low=False: linear(x, w)
+
+
+def quantize_int8(w: torch.Tensor) -> bool:
+    """From now on `linear(x, w)` on the CPU reads an int8 copy of w (one scale per output row, bf16
+    activations, fp32 out): a quarter of fp32's bytes. A row's product does not depend on the other
+    rows of the call (checked by tests/test_quantize.py), so a verify still computes a plain decode's
+    products. False where the kernel is missing or w is not a CPU matrix (nothing registered)."""
+    if not (w.device.type == "cpu" and w.dim() == 2 and w.is_floating_point() and hasattr(torch, "_weight_int8pack_mm")):
+        return False
+    key = id(w)
+    with _lock:
+        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), _Int8Linear(w))
+    return True
