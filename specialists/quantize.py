@@ -38,4 +38,7 @@ def quantize(model: Any, mode: str) -> int:
         return 0
     if mode != "int8":
         raise ValueError(f"unknown quantization {mode!r}")
+    from specialists.ops import attention
+
+    attention.ROW_EXACT[0] = True
     return sum(quantize_int8(w) for w in product_weights(model))

@@ -64,6 +64,8 @@ def paged_attention_torch(
             k.masked_fill_(invalid, 0)
             v.masked_fill_(invalid, 0)
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if ROW_EXACT[0] and B == 1 and 1 < max_q <= 16 and not batch.static and q.device.type == "cpu":
+        return _rows_as_decodes(q, k, v, max_ctx, scale, hq != hkv)
 
     if batch.static:  # rows of one length (a CUDA graph's batch): two batched products, few kernels
         bias = _static_bias(batch, mask, q.dtype)
@@ -91,6 +93,25 @@ def paged_attention_torch(
     if B == 1 or batch.static:
         return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
+
+
+ROW_EXACT = [False]  # set by specialists/quantize.py: a verify's rows attend exactly as their decodes
+
+
+def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float | None,
+                     gqa: bool) -> torch.Tensor:
+    """One sequence's T query rows (a verify) attended one by one, each exactly as the 1-token decode
+    of its position would (its own context length, an all-true mask): bit for bit the decode's result,
+    which a bf16 product downstream needs (it turns a last-bit difference into a different token)."""
+    T = q.shape[0]
+    outs = []
+    for j in range(T):
+        n = ctx - T + 1 + j
+        mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)
+        outs.append(F.scaled_dot_product_attention(q[j:j + 1, None].transpose(1, 2), k[:, :n].transpose(1, 2),
+                                                   v[:, :n].transpose(1, 2), attn_mask=mask, scale=scale,
+                                                   enable_gqa=gqa)[:, :, 0])
+    return torch.cat(outs)
 
 
 def grouped_attention(
