@@ -142,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="keep each prompt's last N tokens")
     parser.add_argument("--prefix-ttft", action="store_true",
                         help="TTFT of the first request against later ones sharing its prefix (bench/prefix_ttft.py)")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
+                        help="the target's products on the CPU (specialists/quantize.py); identical then compares with fp32 transformers")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     add_arguments(parser)
     return parser
@@ -189,7 +191,8 @@ def _load(args: argparse.Namespace) -> Sides:
 
     dtype = DTYPES[args.dtype]
     engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
-                                    policy=SpeculationPolicy(mode="off"), decode_steps=args.decode_steps)
+                                    policy=SpeculationPolicy(mode="off"), decode_steps=args.decode_steps,
+                                    quantization=args.quantization)
     spec_engine = None
     if args.spec_k is not None:
         if args.spec_k < 1:
@@ -201,7 +204,8 @@ def _load(args: argparse.Namespace) -> Sides:
             spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
                                                  max_num_seqs=args.batch_size, policy=policy,
                                                  draft_vocab_size=args.draft_vocab,
-                                                 draft_min_confidence=args.draft_min_confidence)
+                                                 draft_min_confidence=args.draft_min_confidence,
+                                                 quantization=args.quantization)
         except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
             raise UsageError(str(exc)) from exc
     hf, pad_id = None, 0
@@ -277,7 +281,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
         args.spec_prefix_hits = sides.spec_engine.stats.get("prefix_hit_tokens", 0) - spec_hits_before
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
-              "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
+              "quantization": args.quantization, "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
     t_hf = 0.0
     if not args.skip_hf:
         theirs, t_hf = timed(sides.run_hf, batches, args.device, "transformers")

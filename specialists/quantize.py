@@ -7,7 +7,10 @@ A decode step streams every weight once, so a quarter of fp32's bytes is what se
 (SmolLM2-135M's lm_head, [49152 x 576]: 6.9 ms fp32 against 0.64 ms int8 on this CPU). Embedding
 lookups, norms and convolutions stay in the checkpoint's dtype. The quantized model's greedy tokens are
 not transformers' fp32 ones (a rounding of the weights); speculation's output still equals the same
-engine's plain output, because a row's product does not depend on the rows beside it.
+engine's plain output, at any batch: a row's product does not depend on the rows beside it, and the
+engine attends every row alone (ForwardBatch.row_exact), exactly as the decode of its position would:
+bf16 activations turn a last-bit difference (padded or multi-query attention) into another token.
+Attention-only (Llama / Qwen2) models only: a hybrid's Mamba layers are refused.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def product_weights(model: Any) -> list[torch.Tensor]:
     out = [model.lm_head]
     for layer in model.layers:
         for part in vars(layer).values():
-            if part is None or isinstance(part, torch.Tensor):
+            if part is None or isinstance(part, torch.Tensor) or not hasattr(part, "__dict__"):
                 continue
             out.extend(t for name, t in vars(part).items() if name in PRODUCTS and isinstance(t, torch.Tensor) and t.dim() == 2)
     return out
@@ -38,7 +41,8 @@ def quantize(model: Any, mode: str) -> int:
         return 0
     if mode != "int8":
         raise ValueError(f"unknown quantization {mode!r}")
-    from specialists.ops import attention
-
-    attention.ROW_EXACT[0] = True
+    if getattr(model, "family", "") != "llama":
+        raise ValueError(f"quantization 'int8' is for attention-only models, not {model.family!r}: a hybrid's Mamba "
+                         "layers differ between a verify and a decode in the last bits, which bf16 activations "
+                         "turn into other tokens (speculation would no longer equal plain decoding)")
     return sum(quantize_int8(w) for w in product_weights(model))

@@ -105,6 +105,7 @@ class Runner:
         self.padded_steps = 0  # steps that ran with padding rows (for tests and metrics)
         self.static_steps = 0  # steps that ran as static batches (graphs on CUDA)
         self.masked_steps = 0  # of those, steps that masked their logits with grammars in the step
+        self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
 
     # ---- shapes ------------------------------------------------------------------------------
 
@@ -228,7 +229,7 @@ class Runner:
             ssm_slots=dv("ssm_slots", nb), logits_indices=dv("logits_indices", nl), query_lens=qlens,
             is_prefill=is_prefill, token_seq=dv("token_seq", nt), token_qidx=dv("token_qidx", nt),
             max_query_len=max(qlens), max_context_len=max_ctx, ssm_slot_list=inp.staging("ssm_slots", nb).tolist(),
-            num_pad=nb - lay.B, static=lay.static,
+            num_pad=nb - lay.B, static=lay.static, row_exact=self.row_exact,
         )
 
     def _pad_rows(self, b0: int, Bp: int, t: int, q: int, static: bool, width: int) -> None:

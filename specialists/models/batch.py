@@ -62,6 +62,10 @@ class ForwardBatch:
     # bucket >= every context; the lengths themselves are read on the device), and the Mamba layers
     # stage their states in `staged` instead of writing or staging them through the cache
     static: bool = False
+    # every query row attends alone, as the decode of its position would (specialists/ops/attention.py):
+    # a row's result is then the same bit for bit in any step, which int8 products with bf16
+    # activations need for speculation to stay exact (specialists/quantize.py); CPU only
+    row_exact: bool = False
 
     @property
     def num_tokens(self) -> int:

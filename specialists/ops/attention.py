@@ -64,8 +64,8 @@ def paged_attention_torch(
             k.masked_fill_(invalid, 0)
             v.masked_fill_(invalid, 0)
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if ROW_EXACT[0] and B == 1 and 1 < max_q <= 16 and not batch.static and q.device.type == "cpu":
-        return _rows_as_decodes(q, k, v, max_ctx, scale, hq != hkv)
+    if batch.row_exact and not batch.static and q.device.type == "cpu":
+        return _rows_as_decodes(q, k, v, batch, scale, hq != hkv)
 
     if batch.static:  # rows of one length (a CUDA graph's batch): two batched products, few kernels
         bias = _static_bias(batch, mask, q.dtype)
@@ -95,21 +95,20 @@ def paged_attention_torch(
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
 
 
-ROW_EXACT = [False]  # set by specialists/quantize.py: a verify's rows attend exactly as their decodes
-
-
-def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float | None,
+def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float | None,
                      gqa: bool) -> torch.Tensor:
-    """One sequence's T query rows (a verify) attended one by one, each exactly as the 1-token decode
-    of its position would (its own context length, an all-true mask): bit for bit the decode's result,
-    which a bf16 product downstream needs (it turns a last-bit difference into a different token)."""
-    T = q.shape[0]
+    """Every query row (prefill, decode or verify, any batch) attended alone, exactly as a 1-token
+    decode of its position would be: its own sequence's keys [0, position], an all-true mask. So a
+    row's result depends on nothing else in the step, bit for bit, which bf16 products downstream need
+    (they turn a last-bit difference into a different token). One call per row: for the CPU only."""
+    pos = batch.positions.tolist()
+    seq = batch.token_seq.tolist() if batch.num_seqs > 1 else [0] * len(pos)
     outs = []
-    for j in range(T):
-        n = ctx - T + 1 + j
+    for r, (p, b) in enumerate(zip(pos, seq)):
+        n = p + 1
         mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)
-        outs.append(F.scaled_dot_product_attention(q[j:j + 1, None].transpose(1, 2), k[:, :n].transpose(1, 2),
-                                                   v[:, :n].transpose(1, 2), attn_mask=mask, scale=scale,
+        outs.append(F.scaled_dot_product_attention(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
+                                                   v[b:b + 1, :n].transpose(1, 2), attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa)[:, :, 0])
     return torch.cat(outs)
 
