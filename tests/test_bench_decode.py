@@ -31,9 +31,9 @@ def test_result_line(tmp_path: Path, capsys) -> None:
     assert rc == 0
     result, out = last_json(capsys)
     assert "loaded checkpoint" in out and "model.safetensors" in out  # lesson 1: say which weights ran
-    assert set(result) == {"model", "device", "batch_size", "engine_tok_s", "hf_tok_s", "ratio", "identical",
-                           "prefix_hit_tokens"}
-    assert result["prefix_hit_tokens"] == 0
+    assert set(result) == {"model", "device", "batch_size", "quantization", "engine_tok_s", "hf_tok_s", "ratio",
+                           "identical", "prefix_hit_tokens"}
+    assert result["prefix_hit_tokens"] == 0 and result["quantization"] == "none"
     assert result["model"] == str(BUILD) and result["device"] == "cpu" and result["batch_size"] == 2
     for key in ("engine_tok_s", "hf_tok_s", "ratio", "identical"):
         assert isinstance(result[key], float), (key, result[key])
@@ -44,6 +44,15 @@ def test_result_line(tmp_path: Path, capsys) -> None:
     assert row["bench"] == "decode" and row["identical"] == 1.0 and row["max_new_tokens"] == 8 and row["prompts"] == 2
     assert {"device_name", "commit", "checkpoint", "prompt_tokens", "prefix_hit_tokens"} <= set(row)
     assert row["prefix_hit_tokens"] == 0  # the warm-up must not pre-fill the prefix cache with the timed prompts
+
+
+def test_int8_quantization_result_line(capsys) -> None:
+    """--quantization int8: the result says so, and speculation's tokens equal the plain engine's."""
+    rc = main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "2", "--max-new-tokens", "16",
+               "--spec-k", "2", "--quantization", "int8", "--skip-hf"])
+    assert rc == 0
+    result, _ = last_json(capsys)
+    assert result["quantization"] == "int8" and result["identical_spec"] == 1.0 and result["engine_tok_s"] > 0
 
 
 def test_refuses_without_weights(tmp_path: Path, capsys) -> None:
