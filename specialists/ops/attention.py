@@ -101,16 +101,18 @@ def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: F
     decode of its position would be: its own sequence's keys [0, position], an all-true mask. So a
     row's result depends on nothing else in the step, bit for bit, which bf16 products downstream need
     (they turn a last-bit difference into a different token). One call per row: for the CPU only."""
-    pos = batch.positions.tolist()
-    seq = batch.token_seq.tolist() if batch.num_seqs > 1 else [0] * len(pos)
-    outs = []
-    for r, (p, b) in enumerate(zip(pos, seq)):
-        n = p + 1
-        mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)
-        outs.append(F.scaled_dot_product_attention(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
-                                                   v[b:b + 1, :n].transpose(1, 2), attn_mask=mask, scale=scale,
-                                                   enable_gqa=gqa)[:, :, 0])
-    return torch.cat(outs)
+    cache = batch.__dict__.setdefault("_attn_meta", {})
+    key = ("rows", q.device)
+    if key not in cache:  # built once per step, shared by its layers: (row, sequence, keys, all-true mask)
+        pos = batch.positions.tolist()
+        seq = batch.token_seq.tolist() if batch.num_seqs > 1 else [0] * len(pos)
+        masks: dict[int, torch.Tensor] = {}
+        cache[key] = [(r, b, p + 1, masks.setdefault(p + 1, torch.ones(1, 1, 1, p + 1, dtype=torch.bool, device=q.device)))
+                      for r, (p, b) in enumerate(zip(pos, seq))]
+    outs = [F.scaled_dot_product_attention(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
+                                           v[b:b + 1, :n].transpose(1, 2), attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)[:, :, 0] for r, b, n, mask in cache[key]]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def grouped_attention(
