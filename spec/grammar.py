@@ -25,6 +25,7 @@ free on a CPU). Near the end of a reply's budget the allowed closing tokens come
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -130,16 +131,17 @@ class StepMasks:
     # a GPU's fused apply (specialists/ops/grammar_mask.apply_bitmask: logits, words, bonus), and the
     # device copies of closing preferences it adds (id(closers) -> (closers, bonus)); None: the torch ops
     kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
-    buffers: "MaskBuffers | None" = None  # reused host / device buffers (None: fresh ones per step)
+    buffers: "MaskBuffers | None" = None  # host / device buffers reused across steps (None: this step's own)
     bits: torch.Tensor = field(init=False)  # [len(rows), kmax + 1, W] int32, host
     slot: dict[int, int] = field(init=False)  # batch row -> index into bits
     filled: dict[int, int] = field(init=False)  # batch row -> positions filled (1 + drafts it may verify)
     mask_s: float = 0.0
 
     def __post_init__(self) -> None:
-        shape = (len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size))
+        if self.buffers is None:  # fresh buffers for this step only
+            self.buffers = MaskBuffers(self.device)
         # positions are read only once filled, so a reused buffer needs no reset
-        self.bits = host_words(shape, self.device) if self.buffers is None else self.buffers.host("bits", shape)
+        self.bits = self.buffers.host("bits", (len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)))
         self.slot = {b: i for i, b in enumerate(self.rows)}
         self.filled = {b: 0 for b in self.rows}
 
@@ -180,8 +182,7 @@ class StepMasks:
         mask, all allowed for rows not guided and positions past the filled ones, then its close flag
         by _close's rule; the closers the flagged rows use, or None)."""
         R, W = sum(counts), self.bits.shape[-1]
-        buffers = self.buffers if self.buffers is not None else MaskBuffers(self.device)
-        words = buffers.host("words", (R, W + 1))
+        words = self.buffers.host("words", (R, W + 1))
         words[:, :W] = -1
         words[:, W] = 0
         closers = None
@@ -201,8 +202,7 @@ class StepMasks:
     def _apply_fused(self, logits: torch.Tensor, counts: list[int]) -> None:
         """apply in one copy and one kernel (self.kernel)."""
         words, closers = self.words(counts)
-        buffers = self.buffers if self.buffers is not None else MaskBuffers(self.device)
-        self.kernel(logits[:words.shape[0]], buffers.device_copy("words", words), buffers.bonus(closers))
+        self.kernel(logits[:words.shape[0]], self.buffers.device_copy("words", words), self.buffers.bonus(closers))
 
     def _close(self, logits: torch.Tensor, counts: list[int]) -> None:
         """Positions within a guide's reserve of its budget: closing tokens first (CLOSE_BONUS added to
@@ -238,9 +238,7 @@ class MaskBuffers:
         self._bonus: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         buf = self._host.get(name)
         if buf is None or buf.numel() < n:
             buf = self._host[name] = host_words((max(n, 2 * (0 if buf is None else buf.numel())),), self.device)

@@ -147,9 +147,7 @@ class Speculator:
         seqs = [r.seq for r in plan.rows]
         guide = DraftMasks(plan.masks, list(range(len(seqs))), plan.k, self.drafter.vocab, self.device)
         if self.drafter.chains_in_pool:  # the fused chain: a graph per depth, masked on the device
-            ids, st = [r.seq_id for r in plan.rows], plan.static
-            drafts, counts = self.drafter.chain_guided(self._draft_out, [self._draft_index[i] for i in ids], st.committed,
-                                                       [self.kv.block_table(i) for i in ids], plan.k, st.rows, st.width, guide)
+            drafts, counts = self.drafter.chain_guided(*self._static_chain_inputs(plan), guide)
         else:
             drafts, counts = self._draft(seqs, plan.k, guide)
         plan.limits = [min(plan.k, n) for n in counts]
@@ -264,10 +262,15 @@ class Speculator:
 
     def _draft_static(self, plan: StepPlan) -> torch.Tensor:
         """A static chain (a CUDA graph on a GPU): -> drafts [Bp, k], padding rows after the real ones."""
+        return self.drafter.chain_static(*self._static_chain_inputs(plan))
+
+    def _static_chain_inputs(self, plan: StepPlan) -> tuple:
+        """A static chain's arguments: the entries, each row's last one, its committed length and block
+        table, then k, the batch bucket and the context width."""
         ids = [r.seq_id for r in plan.rows]
         st = plan.static
-        return self.drafter.chain_static(self._draft_out, [self._draft_index[i] for i in ids], st.committed,
-                                         [self.kv.block_table(i) for i in ids], plan.k, st.rows, st.width)
+        return (self._draft_out, [self._draft_index[i] for i in ids], st.committed, [self.kv.block_table(i) for i in ids],
+                plan.k, st.rows, st.width)
 
     def _rebuild(self, plan: StepPlan, res: Any, tokens: torch.Tensor) -> None:
         """Drafter entries for every token of the batch: (its hidden, the token after it)."""

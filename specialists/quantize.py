@@ -1,7 +1,7 @@
 """Weight-only quantization of a target's products on the CPU: the `quantization` engine option.
 
 "int8": every product weight of the model (attention's fused q/k/v and output, the MLP's gate/up and
-down, Mamba's in/out projections, and the lm_head) gets an int8 copy with one scale per output row;
+down, and the lm_head) gets an int8 copy with one scale per output row;
 specialists/ops/linear.linear then reads it with bf16 activations (torch's `_weight_int8pack_mm`).
 A decode step streams every weight once, so a quarter of fp32's bytes is what sets its time at batch 1
 (SmolLM2-135M's lm_head, [49152 x 576]: 6.9 ms fp32 against 0.64 ms int8 on this CPU). Embedding
@@ -21,7 +21,7 @@ import torch
 
 from specialists.ops.linear import quantize_int8
 
-PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj", "in_proj_weight", "out_proj_weight")
+PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj")  # a Llama layer's (hybrids are refused)
 
 
 def product_weights(model: Any) -> list[torch.Tensor]:
@@ -29,7 +29,7 @@ def product_weights(model: Any) -> list[torch.Tensor]:
     out = [model.lm_head]
     for layer in model.layers:
         for part in vars(layer).values():
-            if part is None or isinstance(part, torch.Tensor) or not hasattr(part, "__dict__"):
+            if not hasattr(part, "__dict__") or isinstance(part, torch.Tensor):  # None, ints, norms
                 continue
             out.extend(t for name, t in vars(part).items() if name in PRODUCTS and isinstance(t, torch.Tensor) and t.dim() == 2)
     return out

@@ -106,9 +106,8 @@ def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: F
     if key not in cache:  # built once per step, shared by its layers: (row, sequence, keys, all-true mask)
         pos = batch.positions.tolist()
         seq = batch.token_seq.tolist() if batch.num_seqs > 1 else [0] * len(pos)
-        masks: dict[int, torch.Tensor] = {}
-        cache[key] = [(r, b, p + 1, masks.setdefault(p + 1, torch.ones(1, 1, 1, p + 1, dtype=torch.bool, device=q.device)))
-                      for r, (p, b) in enumerate(zip(pos, seq))]
+        masks = {n: torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device) for n in {p + 1 for p in pos}}
+        cache[key] = [(r, b, p + 1, masks[p + 1]) for r, (p, b) in enumerate(zip(pos, seq))]
     outs = [F.scaled_dot_product_attention(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
                                            v[b:b + 1, :n].transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=gqa)[:, :, 0] for r, b, n, mask in cache[key]]
