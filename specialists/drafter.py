@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from specialists.drafter_fused import ENTRY_ROWS, DrafterWeights, FusedDrafter, RopeTable
 from specialists.drafter_guided import capture_guided_chain, guided_chain
+from specialists.drafter_native import native_drafter
 from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
@@ -97,6 +98,8 @@ class PagedDrafter:
         self.fused = None if ops is None else FusedDrafter(
             ops, w, self.rope, pool=(self.k, self.v), heads=(cfg.num_attention_heads, cfg.num_key_value_heads),
             eps=self.eps, vocab=self.vocab, entries=self._entries)
+        # on a CPU with the native kernels: a rebuild and a plain chain in one call each (drafter_native.py)
+        self.native = native_drafter(self) if self._cpu else None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -144,6 +147,8 @@ class PagedDrafter:
     ) -> torch.Tensor:  # [T, d] entry outputs
         if self.fused is not None and batch.static:  # rows of one length: a few Triton kernels
             return self.fused.rebuild(batch, hidden.to(self.k.dtype), next_tokens)
+        if self.native is not None and not batch.static:
+            return self.native.rebuild(batch, hidden, next_tokens)
         x = self._fuse(hidden.to(self.k.dtype), next_tokens.clamp(min=0))
         q, k, v = self._qkv(x, batch.positions + 1, batch.max_context_len)
         write_kv(k, v, self.k, self.v, batch.slot_mapping)
@@ -168,6 +173,8 @@ class PagedDrafter:
 
         With a guide, each depth's logits are masked by the grammar (the guide reads the previous
         depth's drafts on the host), and a row's count ends at a draft the grammar refuses."""
+        if self.native is not None and guide is None and self.min_confidence == 0:
+            return self.native.chain(prev, committed, tables, k), [k] * prev.shape[0]
         cmax = max(committed)
         tab = tables[:, : -(-cmax // self.block_size)].reshape(-1).long()
         c = device_ints(committed, prev.device)

@@ -1,8 +1,11 @@
 """Weight-only quantization of a target's products on the CPU: the `quantization` engine option.
 
 "int8": every product weight of the model (attention's fused q/k/v and output, the MLP's gate/up and
-down, and the lm_head) gets an int8 copy with one scale per output row;
-specialists/ops/linear.linear then reads it with bf16 activations (torch's `_weight_int8pack_mm`).
+down, and the lm_head) gets an int8 copy with one scale per output row. Where the native CPU kernels
+run (specialists/ops/native.py: AVX-512 VNNI and a C compiler), the whole stack then runs in one
+native call per step (models/llama_native.py: int16 activations per row, exact integer sums, each row
+attending alone) and the lm_head through the native product; elsewhere specialists/ops/linear.linear
+reads the copies with bf16 activations (torch's `_weight_int8pack_mm`), layer by layer in torch.
 A decode step streams every weight once, so a quarter of fp32's bytes is what sets its time at batch 1
 (SmolLM2-135M's lm_head, [49152 x 576]: 6.9 ms fp32 against 0.64 ms int8 on this CPU). Embedding
 lookups, norms and convolutions stay in the checkpoint's dtype. The quantized model's greedy tokens are
@@ -45,4 +48,11 @@ def quantize(model: Any, mode: str) -> int:
         raise ValueError(f"quantization 'int8' is for attention-only models, not {model.family!r}: a hybrid's Mamba "
                          "layers differ between a verify and a decode in the last bits, which bf16 activations "
                          "turn into other tokens (speculation would no longer equal plain decoding)")
-    return sum(quantize_int8(w) for w in product_weights(model))
+    from specialists.models.llama_native import NativeLlama, supports
+    from specialists.ops import native as native_ops
+
+    use_native = native_ops.available() and model.dtype == torch.float32
+    n = sum(quantize_int8(w, native=use_native) for w in product_weights(model))
+    if use_native and supports(model) is None:
+        model.native = NativeLlama(model)  # the whole stack in one native call per step
+    return n

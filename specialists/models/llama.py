@@ -214,6 +214,7 @@ class LlamaModel(DecoderBase):
         ]
         self.rope = Rope(config, self.head_dim, self.device)
         self.dtype = self.embed.dtype
+        self.native = None  # llama_native.NativeLlama: set by quantize("int8") where the CPU kernels run
 
     @property
     def num_attention_layers(self) -> int:
@@ -227,6 +228,8 @@ class LlamaModel(DecoderBase):
     def forward(self, batch: ForwardBatch, kv, ssm=None) -> torch.Tensor:  # -> hidden [T, d], final-normed
         h = self.embed[batch.input_ids]
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+        if self.native is not None and not batch.static and h.device.type == "cpu":
+            return self.native(batch, kv, h, cos, sin)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
             h = h + attention_block(layer.attn, x, cos, sin, kv.k[i], kv.v[i], batch)

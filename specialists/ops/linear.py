@@ -35,7 +35,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "onednn_enabled", "proposal_linear", "quantize_int8"]
+__all__ = ["linear", "onednn_enabled", "proposal_linear", "quantize_int8", "int8_of"]
 
 _HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
 _lock = threading.Lock()
@@ -101,22 +101,38 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 class _Int8Linear:
-    """Weight-only int8 (symmetric, one scale per output row), bf16 activations: a quarter of the
-    fp32 weight bytes, through torch's vectorized CPU kernel (`_weight_int8pack_mm`). On the CPU an
-    [896 x 256] product whose weight misses L2 took 12 us at one row, against 38 us for oneDNN fp32
-    and 105 us for F.linear."""
+    """Weight-only int8 (symmetric, one scale per output row): a quarter of the fp32 weight bytes. With
+    `native` (ops/native.py, a CPU with AVX-512 VNNI) the activations are rounded per row to int16 and
+    the sums are exact integers (an [960 x 576] product of one row ~13 us, the 30 layers of
+    SmolLM2-135M's products at 44-57 GB/s); otherwise bf16 activations through torch's
+    `_weight_int8pack_mm` (an [896 x 256] product whose weight misses L2 took 12 us at one row, against
+    38 us for oneDNN fp32 and 105 us for F.linear)."""
 
-    __slots__ = ("w", "scale")
+    __slots__ = ("w", "scale", "scale32", "native")
 
-    def __init__(self, w: torch.Tensor) -> None:
+    def __init__(self, w: torch.Tensor, native: bool = False) -> None:
         w = w.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale32 = scale.contiguous()
         self.scale = scale.to(torch.bfloat16)
+        self.native = native  # products through ops/native.py (int16 activations), not torch's kernel
 
     def __call__(self, x: torch.Tensor, low: bool = False) -> torch.Tensor:  # [T, in] -> [T, out] fp32 (bf16 if low)
+        if self.native:
+            from specialists.ops import native
+
+            return native.qlinear(x.float(), self.w, self.scale32)
         out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.w, self.scale)
         return out if low else out.float()
+
+
+def _native_proposals() -> bool:
+    if os.environ.get("CANTATA_NATIVE_DRAFTER", "1") == "0":
+        return False
+    from specialists.ops import native
+
+    return native.available()
 
 
 def proposal_linear(w: torch.Tensor):
@@ -126,18 +142,25 @@ def proposal_linear(w: torch.Tensor):
     that feeds it straight into the next one); elsewhere the exact `linear`."""
     if (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and _ENABLED
             and hasattr(torch, "_weight_int8pack_mm")):
-        return _Int8Linear(w)
+        return _Int8Linear(w, native=_native_proposals())
     return lambda x, low=False: linear(x, w)
 
 
-def quantize_int8(w: torch.Tensor) -> bool:
-    """From now on `linear(x, w)` on the CPU reads an int8 copy of w (one scale per output row, bf16
-    activations, fp32 out): a quarter of fp32's bytes. A row's product does not depend on the other
-    rows of the call (checked by tests/test_quantize.py), so a verify still computes a plain decode's
-    products. False where the kernel is missing or w is not a CPU matrix (nothing registered)."""
+def quantize_int8(w: torch.Tensor, native: bool = False) -> bool:
+    """From now on `linear(x, w)` on the CPU reads an int8 copy of w (one scale per output row, fp32
+    out): a quarter of fp32's bytes. Activations are bf16 (torch's kernel), or with `native` int16 per
+    row (ops/native.py's kernel). A row's product does not depend on the other rows of the call
+    (checked by tests/test_quantize.py), so a verify still computes a plain decode's products. False
+    where the kernel is missing or w is not a CPU matrix (nothing registered)."""
     if not (w.device.type == "cpu" and w.dim() == 2 and w.is_floating_point() and hasattr(torch, "_weight_int8pack_mm")):
         return False
     key = id(w)
     with _lock:
-        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), _Int8Linear(w))
+        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), _Int8Linear(w, native))
     return True
+
+
+def int8_of(w: torch.Tensor) -> "_Int8Linear | None":
+    """The int8 copy quantize_int8 registered for w, or None."""
+    hit = _quantized.get(id(w))
+    return hit[1] if hit is not None and hit[0]() is w else None

@@ -1,0 +1,101 @@
+"""A Llama's int8 forward as one native call per step (specialists/ops/native.py): the engine's
+`quantization="int8"` on a CPU with AVX-512 VNNI.
+
+`NativeLlama(model)` takes the int8 copies `quantize_int8` made of the model's products (one fp32
+scale per output row) and a table of every layer's pointers; `model.forward` hands it a step's batch
+(any mix of prefills, decodes and verifies; not a static CUDA batch). Activations are quantized per
+row to int16 (finer than the torch path's bf16), each row attends alone over its own sequence's keys
+[0, position]: a row's result is the same bit for bit in any step, so speculation equals plain
+decoding. Only the embedding lookup and RoPE's cos/sin stay in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specialists.models.batch import ForwardBatch
+from specialists.ops import native
+from specialists.ops.linear import int8_of
+
+__all__ = ["NativeLlama", "supports"]
+
+FIELDS = ("in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_b", "o_w", "o_s", "o_b", "gu_w", "gu_s", "gu_b",
+          "dn_w", "dn_s", "dn_b", "kc", "vc")  # the order of the C side's P_* enum
+
+
+def supports(model: Any) -> str | None:
+    """None if `model` can take the native forward, else why not."""
+    if not native.available():
+        return f"native kernels unavailable: {native.why_unavailable()}"
+    if getattr(model, "family", "") != "llama" or model.dtype != torch.float32:
+        return "the native forward is for fp32 Llama / Qwen2 checkpoints"
+    if model.rope.rotary_dim % 2 or model.rope.rotary_dim > model.head_dim:
+        return "unsupported rotary width"
+    widest = max(max(l.attn.qkv.shape[1], l.attn.o_proj.shape[1], l.mlp.down_proj.shape[1]) for l in model.layers)
+    if widest > native.MAX_K:
+        return f"a product {widest} wide exceeds the kernel's {native.MAX_K}"
+    if any(int8_of(w) is None for l in model.layers for w in (l.attn.qkv, l.attn.o_proj, l.mlp.gate_up, l.mlp.down_proj)):
+        return "not every product is quantized"
+    return None
+
+
+class NativeLlama:
+    def __init__(self, model: Any) -> None:
+        why = supports(model)
+        if why:
+            raise ValueError(why)
+        self._f = native.Addresses()  # keeps every tensor a pointer in the table refers to
+        rows = []
+        for layer in model.layers:
+            a, m = layer.attn, layer.mlp
+            row = [self._f(layer.input_norm), self._f(layer.post_norm)]
+            for w, b in ((a.qkv, a.qkv_bias), (a.o_proj, a.o_bias), (m.gate_up, m.gate_up_bias), (m.down_proj, m.down_bias)):
+                q = int8_of(w)
+                row += [self._f(q.w), self._f(q.scale32), self._f(b)]
+            rows.append(row + [0, 0])  # the KV pool's layers: filled per pool
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.final_norm = model.norm.float().contiguous()
+        cfg = model.config
+        a = model.layers[0].attn
+        self.dims = [0, cfg.hidden_size, len(model.layers), a.num_heads, a.num_kv_heads, a.head_dim,
+                     model.rope.rotary_dim, model.layers[0].mlp.down_proj.shape[1], 0, 0, 1]
+        self.floats = torch.tensor([model.eps, a.head_dim ** -0.5], dtype=torch.float32)
+        self._pool: tuple[int, ...] = ()
+
+    def _bind(self, kv: Any) -> None:
+        """Points the table at this KV pool's layers (again only when the pool changed)."""
+        key = tuple(t.data_ptr() for t in (*kv.k, *kv.v))
+        if key == self._pool:
+            return
+        for t in (*kv.k, *kv.v):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("the native forward needs a contiguous fp32 KV pool")
+        L = len(kv.k)
+        self.table[:, -2] = torch.tensor(key[:L])
+        self.table[:, -1] = torch.tensor(key[L:])
+        self._pool = key
+
+    def __call__(self, batch: ForwardBatch, kv: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [T, d] fp32 (the embeddings, overwritten: the residual stream) -> final-normed hidden [T, d]."""
+        self._bind(kv)
+        T = h.shape[0]
+        h = h.contiguous()
+        out = torch.empty_like(h)
+        if T == 0:
+            return out
+        block_size = kv.k[0].shape[1]
+        i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731  (a no-op for the runner's int64 views)
+        tables = i64(batch.block_tables)
+        self.dims[0], self.dims[8], self.dims[9], self.dims[10] = T, block_size, tables.shape[1], torch.get_num_threads()
+        ints = torch.tensor(self.dims, dtype=torch.int32)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        pos, slots, seq = i64(batch.positions), i64(batch.slot_mapping), i64(batch.token_seq)
+        rc = native.library().cantata_llama_forward(
+            ints.data_ptr(), self.floats.data_ptr(), h.data_ptr(), out.data_ptr(), self.final_norm.data_ptr(),
+            pos.data_ptr(), slots.data_ptr(), seq.data_ptr(), tables.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            self.table.data_ptr())
+        if rc:
+            raise MemoryError("the native forward could not allocate its scratch")
+        return out

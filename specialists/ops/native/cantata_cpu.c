@@ -1,0 +1,543 @@
+/* Cantata's CPU kernels for weight-only int8 decoding (AVX-512 F/BW/VNNI; built and loaded by
+ * specialists/ops/native.py, which checks the CPU first).
+ *
+ * Products: int8 weights with one fp32 scale per output row, times activations quantized per row to
+ * int16 (one fp32 scale per row, |q| <= 8191), accumulated exactly in int32 (vpdpwssd), scaled once
+ * in fp32. Every row of a call is computed by the same instructions in the same order whatever the
+ * number of rows or threads: a row's result depends on nothing else in the call (what speculation's
+ * exactness needs: a verify row equals the decode of its position, bit for bit).
+ *
+ * llama_forward runs a whole Llama stack for T rows in one call (RMSNorm, q/k/v, RoPE, the paged
+ * KV write, attention of each row over its own sequence's keys [0, position], the output product
+ * with the residual, RMSNorm, gate/up, SiLU, down with the residual, the final norm), with no Python
+ * between the layers. Fixed-order reductions only (no -ffast-math): masked tails, no alignment peel.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#define QMAX 8191.0f
+
+static inline __mmask16 tail_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+/* exp for x <= 88 (below -87.3 it flushes to 0): 2^n * p(r), r = x - n ln2, degree-7 Taylor (~1 ulp) */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* one row of K floats -> int16 (|q| <= 8191) and its scale (0 for an all-zero row) */
+static float quant_row(const float* x, int K, int16_t* q) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail_mask(K - k), x + k)));
+    float a = _mm512_reduce_max_ps(amax);
+    if (!(a > 0.f)) { memset(q, 0, (size_t)K * sizeof(int16_t)); return 0.f; }
+    __m512 inv = _mm512_set1_ps(QMAX / a);
+    for (int k = 0; k < K; k += 16) {
+        __mmask16 m = tail_mask(K - k);
+        __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
+        _mm256_mask_storeu_epi16(q + k, m, _mm512_cvtsepi32_epi16(i));
+    }
+    return a / QMAX;
+}
+
+/* The lanes' total: each int32 lane sums K / 16 products of |x| <= 8191, |w| <= 127 (no overflow for
+ * K <= 32768); the total of all K fits int32 for K <= 2064 (then summed in int32), else int64. */
+static inline int64_t lanes_total(__m512i acc, int K) {
+    if (K <= 2064) return _mm512_reduce_add_epi32(acc);
+    return _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc)))
+         + _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1)));
+}
+
+#define WLOAD(w, k) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)((w) + (k))))
+
+/* sum_k x[k] * w[k] for one row of x, exact */
+static inline int64_t dot1(const int16_t* x, const int8_t* w, int K) {
+    __m512i acc = _mm512_setzero_si512();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) acc = _mm512_dpwssd_epi32(acc, _mm512_loadu_si512(x + k), WLOAD(w, k));
+    int64_t s = lanes_total(acc, K);
+    for (; k < K; k++) s += (int64_t)x[k] * (int64_t)w[k];
+    return s;
+}
+
+/* the same for four rows of x (K apart) against one weight row, each widened once: equal to four dot1 */
+static inline void dot4(const int16_t* x, const int8_t* w, int K, int64_t* s) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    const int16_t *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512i wv = WLOAD(w, k);
+        a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(x + k), wv);
+        a1 = _mm512_dpwssd_epi32(a1, _mm512_loadu_si512(x1 + k), wv);
+        a2 = _mm512_dpwssd_epi32(a2, _mm512_loadu_si512(x2 + k), wv);
+        a3 = _mm512_dpwssd_epi32(a3, _mm512_loadu_si512(x3 + k), wv);
+    }
+    s[0] = lanes_total(a0, K); s[1] = lanes_total(a1, K); s[2] = lanes_total(a2, K); s[3] = lanes_total(a3, K);
+    for (; k < K; k++) {
+        s[0] += (int64_t)x[k] * w[k]; s[1] += (int64_t)x1[k] * w[k];
+        s[2] += (int64_t)x2[k] * w[k]; s[3] += (int64_t)x3[k] * w[k];
+    }
+}
+
+/* out[m, n] = acc(m, n) * xs[m] * ws[n] (+ bias[n]) (+ res[m, n]); rows of out are ldo apart (res too).
+ * The int64 -> fp32 conversion is the one rounding before the scales. */
+static void qgemm(const int16_t* xq, const float* xs, int M, int K, const int8_t* W, const float* ws,
+                  const float* bias, int N, float* out, int ldo, const float* res, int nt) {
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t* wr = W + (size_t)n * K;
+        int64_t acc[4];
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mm = M - m0 < 4 ? M - m0 : 4;
+            if (mm == 4) dot4(xq + (size_t)m0 * K, wr, K, acc);
+            else for (int j = 0; j < mm; j++) acc[j] = dot1(xq + (size_t)(m0 + j) * K, wr, K);
+            for (int j = 0; j < mm; j++) {
+                size_t m = (size_t)(m0 + j);
+                float v = (float)acc[j] * xs[m] * ws[n];
+                if (bias) v += bias[n];
+                if (res) v += res[m * ldo + n];
+                out[m * ldo + n] = v;
+            }
+        }
+    }
+}
+
+/* x [M, K] fp32 -> int16 rows and scales, then qgemm (the entry point for single products) */
+int cantata_qlinear(const float* x, int M, int K, const int8_t* W, const float* ws, const float* bias, int N,
+                    float* out, const float* res, int16_t* xq, float* xs, int nt) {
+    for (int m = 0; m < M; m++) xs[m] = quant_row(x + (size_t)m * K, K, xq + (size_t)m * K);
+    qgemm(xq, xs, M, K, W, ws, bias, N, out, N, res, nt);
+    return 0;
+}
+
+static void rms_norm_row(const float* x, const float* w, int d, float eps, float* y) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int k = 0; k < d; k += 16) {
+        __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - k), x + k);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)d + eps));
+    for (int k = 0; k < d; k += 16) {
+        __mmask16 m = tail_mask(d - k);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), r);
+        _mm512_mask_storeu_ps(y + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + k)));
+    }
+}
+
+/* RMSNorm of each row, then its int16 quantization (x is the scratch for the normed row) */
+static void norm_quant(const float* h, int T, int d, const float* w, float eps, float* x, int16_t* xq, float* xs) {
+    for (int t = 0; t < T; t++) {
+        rms_norm_row(h + (size_t)t * d, w, d, eps, x + (size_t)t * d);
+        xs[t] = quant_row(x + (size_t)t * d, d, xq + (size_t)t * d);
+    }
+}
+
+static inline __attribute__((always_inline)) float dot_f32(const float* a, const float* b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        __mmask16 m = tail_mask(n - k);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + k), _mm512_maskz_loadu_ps(m, b + k), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* rotate-half RoPE on the first R channels of a head vector, in place */
+static void rope_head(float* x, const float* c, const float* s, int R) {
+    int h = R / 2;
+    for (int i = 0; i < h; i++) {
+        float a = x[i], b = x[i + h];
+        x[i] = a * c[i] - b * s[i];
+        x[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+/* A key source: n keys of a sequence in the paged pool (through its block table), then nt keys of a
+ * dense tail (the drafter's chained entries), rows `stride` apart, a head `off` into each row. */
+typedef struct {
+    const float *kc, *vc, *tk, *tv;
+    const int64_t* table;
+    int bs, n, nt;
+    size_t stride, off;
+} keys_t;
+
+/* one query row and head over its keys: softmax(q k^T * scale) v -> o [D]. The pool's keys are
+ * walked block by block of the table (no division per key); D is a constant where inlined from
+ * attend() (64, 128), so the head's accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_d(const float* q, const keys_t* s, const int D, float scale,
+                                                           float* sc, float* o) {
+    const float *kc = s->kc, *vc = s->vc;
+    const int64_t* table = s->table;
+    int bs = s->bs, n = s->n, ntot = s->n + s->nt;
+    size_t stride = s->stride, off = s->off;
+    float mx = -INFINITY;
+    for (int j = 0, blk = 0; j < n; blk++) {
+        const float* kb = kc + (size_t)table[blk] * bs * stride + off;
+        int e = n - j < bs ? n - j : bs;
+        for (int r = 0; r < e; r++, j++) {
+            float v = dot_f32(q, kb + r * stride, D) * scale;
+            sc[j] = v;
+            if (v > mx) mx = v;
+        }
+    }
+    for (int j = 0; j < s->nt; j++) {
+        float v = dot_f32(q, s->tk + j * stride + off, D) * scale;
+        sc[n + j] = v;
+        if (v > mx) mx = v;
+    }
+    n = ntot;
+    __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 m = tail_mask(n - j);
+        __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx)));
+        _mm512_mask_storeu_ps(sc + j, m, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    n = s->n;
+    for (int d0 = 0; d0 < D; d0 += 128) {  /* up to 8 accumulators at a time */
+        __m512 acc[8];
+        int nc = (D - d0 + 15) / 16 < 8 ? (D - d0 + 15) / 16 : 8;
+        for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
+        for (int j = 0, blk = 0; j < n; blk++) {
+            const float* vb = vc + (size_t)table[blk] * bs * stride + off + d0;
+            int e = n - j < bs ? n - j : bs;
+            for (int r = 0; r < e; r++, j++) {
+                __m512 p = _mm512_set1_ps(sc[j]);
+                for (int c = 0; c < nc; c++)
+                    acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(tail_mask(D - d0 - 16 * c), vb + r * stride + 16 * c), acc[c]);
+            }
+        }
+        for (int j = 0; j < s->nt; j++) {
+            __m512 p = _mm512_set1_ps(sc[n + j]);
+            const float* vb = s->tv + j * stride + off + d0;
+            for (int c = 0; c < nc; c++)
+                acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(tail_mask(D - d0 - 16 * c), vb + 16 * c), acc[c]);
+        }
+        for (int c = 0; c < nc; c++)
+            _mm512_mask_storeu_ps(o + d0 + 16 * c, tail_mask(D - d0 - 16 * c), _mm512_mul_ps(acc[c], inv));
+    }
+}
+
+static void attend(const float* q, const keys_t* s, int D, float scale, float* sc, float* o) {
+    if (D == 64) attend_d(q, s, 64, scale, sc, o);
+    else if (D == 128) attend_d(q, s, 128, scale, sc, o);
+    else attend_d(q, s, D, scale, sc, o);
+}
+
+/* silu(gate) * up for one row of gu = [gate | up] (each I wide) */
+static void swiglu_row(const float* gu, int I, float* y) {
+    for (int k = 0; k < I; k += 16) {
+        __mmask16 m = tail_mask(I - k);
+        __m512 g = _mm512_maskz_loadu_ps(m, gu + k), u = _mm512_maskz_loadu_ps(m, gu + I + k);
+        __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_mask_storeu_ps(y + k, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+    }
+}
+
+enum { P_IN_NORM, P_POST_NORM, P_QKV_W, P_QKV_S, P_QKV_B, P_O_W, P_O_S, P_O_B, P_GU_W, P_GU_S, P_GU_B,
+       P_DN_W, P_DN_S, P_DN_B, P_KC, P_VC, P_COUNT };
+
+typedef struct {
+    int T, d, L, Hq, Hkv, D, R, I, bs, tw, nt;
+    float eps, scale;
+} dims_t;
+
+/* the attention of every (row, head) of a layer; qkv rows hold q | k | v, rotated. Row t sees the
+ * pool's keys [0, npool[t]) of its sequence and, with a tail, tail rows [0, ntail) of its own
+ * (tail + t * tcap rows). */
+static void attention_layer(const dims_t* z, const float* qkv, const float* kc, const float* vc, const int64_t* npool,
+                            const int64_t* rowseq, const int64_t* tables, const float* tk, const float* tv, int ntail,
+                            int tcap, float* att, int maxctx) {
+    int W = (z->Hq + 2 * z->Hkv) * z->D, grp = z->Hq / z->Hkv;
+    size_t stride = (size_t)z->Hkv * z->D;
+    #pragma omp parallel num_threads(z->nt)
+    {
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(maxctx + ntail + 16));
+        #pragma omp for schedule(static)
+        for (int item = 0; item < z->T * z->Hq; item++) {
+            int t = item / z->Hq, h = item % z->Hq;
+            keys_t s = {kc, vc, tk ? tk + (size_t)t * tcap * stride : NULL, tv ? tv + (size_t)t * tcap * stride : NULL,
+                        tables + (size_t)rowseq[t] * z->tw, z->bs, (int)npool[t], ntail, stride, (size_t)(h / grp) * z->D};
+            attend(qkv + (size_t)t * W + (size_t)h * z->D, &s, z->D, z->scale, sc, att + ((size_t)t * z->Hq + h) * z->D);
+        }
+        free(sc);
+    }
+}
+
+/* RoPE on q and k heads of every row, k and v into the pool at the rows' slots */
+static void rope_write(const dims_t* z, float* qkv, const float* cosv, const float* sinv, const int64_t* slot,
+                       float* kc, float* vc) {
+    int W = (z->Hq + 2 * z->Hkv) * z->D;
+    size_t kvw = (size_t)z->Hkv * z->D;
+    for (int t = 0; t < z->T; t++) {
+        float* row = qkv + (size_t)t * W;
+        for (int h = 0; h < z->Hq + z->Hkv; h++) rope_head(row + (size_t)h * z->D, cosv + (size_t)t * z->R, sinv + (size_t)t * z->R, z->R);
+        memcpy(kc + (size_t)slot[t] * kvw, row + (size_t)z->Hq * z->D, kvw * sizeof(float));
+        memcpy(vc + (size_t)slot[t] * kvw, row + (size_t)(z->Hq + z->Hkv) * z->D, kvw * sizeof(float));
+    }
+}
+
+static void quant_rows(const float* x, int T, int K, int16_t* xq, float* xs) {
+    for (int t = 0; t < T; t++) xs[t] = quant_row(x + (size_t)t * K, K, xq + (size_t)t * K);
+}
+
+/* The whole stack: h [T, d] (the embeddings) is the residual stream, updated in place; out [T, d]
+ * gets the final-normed hidden states. layers: L rows of P_COUNT pointers (see the enum). */
+int cantata_llama_forward(const int32_t* ints, const float* floats, float* h, float* out, const float* final_norm,
+                          const int64_t* pos, const int64_t* slot, const int64_t* rowseq, const int64_t* tables,
+                          const float* cosv, const float* sinv, const int64_t* layers) {
+    dims_t z = {ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
+                floats[0], floats[1]};
+    int T = z.T, d = z.d, qw = (z.Hq + 2 * z.Hkv) * z.D, ad = z.Hq * z.D;
+    int wide = d > ad ? d : ad;
+    if (z.I > wide) wide = z.I;
+    int maxctx = 0;
+    for (int t = 0; t < T; t++) if (pos[t] + 1 > maxctx) maxctx = (int)pos[t] + 1;
+    float* x = (float*)malloc(sizeof(float) * (size_t)T * d);
+    float* qkv = (float*)malloc(sizeof(float) * (size_t)T * qw);
+    float* att = (float*)malloc(sizeof(float) * (size_t)T * ad);
+    float* gu = (float*)malloc(sizeof(float) * (size_t)T * 2 * z.I);
+    float* act = (float*)malloc(sizeof(float) * (size_t)T * z.I);
+    int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)T * wide);
+    float* xs = (float*)malloc(sizeof(float) * (size_t)T);
+    int64_t* npool = (int64_t*)malloc(sizeof(int64_t) * (size_t)T);
+    if (!x || !qkv || !att || !gu || !act || !xq || !xs || !npool) return -1;
+    for (int t = 0; t < T; t++) npool[t] = pos[t] + 1;  /* a row sees its sequence's keys [0, position] */
+    for (int l = 0; l < z.L; l++) {
+        const int64_t* p = layers + (size_t)l * P_COUNT;
+        #define PTR(type, i) ((type*)(intptr_t)p[i])
+        norm_quant(h, T, d, PTR(const float, P_IN_NORM), z.eps, x, xq, xs);
+        qgemm(xq, xs, T, d, PTR(const int8_t, P_QKV_W), PTR(const float, P_QKV_S), PTR(const float, P_QKV_B), qw, qkv, qw, NULL, z.nt);
+        rope_write(&z, qkv, cosv, sinv, slot, PTR(float, P_KC), PTR(float, P_VC));
+        attention_layer(&z, qkv, PTR(float, P_KC), PTR(float, P_VC), npool, rowseq, tables, NULL, NULL, 0, 0, att, maxctx);
+        quant_rows(att, T, ad, xq, xs);
+        qgemm(xq, xs, T, ad, PTR(const int8_t, P_O_W), PTR(const float, P_O_S), PTR(const float, P_O_B), d, h, d, h, z.nt);
+        norm_quant(h, T, d, PTR(const float, P_POST_NORM), z.eps, x, xq, xs);
+        qgemm(xq, xs, T, d, PTR(const int8_t, P_GU_W), PTR(const float, P_GU_S), PTR(const float, P_GU_B), 2 * z.I, gu, 2 * z.I, NULL, z.nt);
+        for (int t = 0; t < T; t++) swiglu_row(gu + (size_t)t * 2 * z.I, z.I, act + (size_t)t * z.I);
+        quant_rows(act, T, z.I, xq, xs);
+        qgemm(xq, xs, T, z.I, PTR(const int8_t, P_DN_W), PTR(const float, P_DN_S), PTR(const float, P_DN_B), d, h, d, h, z.nt);
+        #undef PTR
+    }
+    for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, final_norm, d, z.eps, out + (size_t)t * d);
+    free(x); free(qkv); free(att); free(gu); free(act); free(xq); free(xs); free(npool);
+    return 0;
+}
+
+/* ---- The MTP drafter's CPU path (specialists/drafter.py): its one layer with every RMSNorm's gain
+ * folded into the next product (times sqrt(d)), so a norm is x / |x|; RoPE over the whole head from
+ * the drafter's signed table (cos, then sin with rotate-half's sign folded in). Its products only
+ * propose (verification decides), so nothing here has to equal the torch path. ---- */
+
+enum { M_HID_W, M_HID_S, M_QKV_W, M_QKV_S, M_O_W, M_O_S, M_GU_W, M_GU_S, M_DN_W, M_DN_S, M_HEAD_W, M_HEAD_S,
+       M_TOKPROJ, M_VOCAB, M_KC, M_VC, M_COUNT };
+
+static void unit_quant(const float* x, int T, int d, float* y, int16_t* xq, float* xs) {
+    for (int t = 0; t < T; t++) {
+        const float* r = x + (size_t)t * d;
+        __m512 ss = _mm512_setzero_ps();
+        for (int k = 0; k < d; k += 16) {
+            __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - k), r + k);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / (sqrtf(_mm512_reduce_add_ps(ss)) + 1e-12f));
+        for (int k = 0; k < d; k += 16) {
+            __mmask16 m = tail_mask(d - k);
+            _mm512_mask_storeu_ps(y + (size_t)t * d + k, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + k), inv));
+        }
+        xs[t] = quant_row(y + (size_t)t * d, d, xq + (size_t)t * d);
+    }
+}
+
+/* x * cos + roll(x, D / 2) * signed_sin on q and k heads of one row; cs: [2, D] (cos | signed sin) */
+static void signed_rope_row(float* row, int heads, int D, const float* cs) {
+    float tmp[1024];
+    int h = D / 2;
+    for (int hd = 0; hd < heads; hd++) {
+        float* x = row + (size_t)hd * D;
+        memcpy(tmp, x, sizeof(float) * (size_t)D);
+        for (int i = 0; i < D; i++) x[i] = tmp[i] * cs[i] + tmp[(i + h) % D] * cs[D + i];
+    }
+}
+
+typedef struct {
+    dims_t z;
+    const int64_t* p;  /* M_COUNT pointers */
+    float *x, *y, *qkv, *att, *gu, *act, *logits;
+    int16_t* xq;
+    float* xs;
+    int N, V;
+} mtp_t;
+
+#define MP(type, i) ((type*)(intptr_t)m->p[i])
+
+/* x [T, d] = W_h unit(prev) + token_proj[tok] */
+static void mtp_fuse(mtp_t* m, const float* prev, const int64_t* tok) {
+    int T = m->z.T, d = m->z.d;
+    unit_quant(prev, T, d, m->y, m->xq, m->xs);
+    qgemm(m->xq, m->xs, T, d, MP(const int8_t, M_HID_W), MP(const float, M_HID_S), NULL, d, m->x, d, NULL, m->z.nt);
+    const float* tp = MP(const float, M_TOKPROJ);
+    for (int t = 0; t < T; t++) {
+        int64_t id = tok[t] < 0 ? 0 : tok[t];
+        if (id >= m->V) id = m->V - 1;
+        for (int k = 0; k < d; k++) m->x[(size_t)t * d + k] += tp[(size_t)id * d + k];
+    }
+}
+
+/* q/k/v of unit(x), rotated with rope rows cs[t] ([2, D] each, `csstride` floats apart) */
+static void mtp_qkv(mtp_t* m, const float* cs, size_t csstride) {
+    int T = m->z.T, d = m->z.d, W = (m->z.Hq + 2 * m->z.Hkv) * m->z.D;
+    unit_quant(m->x, T, d, m->y, m->xq, m->xs);
+    qgemm(m->xq, m->xs, T, d, MP(const int8_t, M_QKV_W), MP(const float, M_QKV_S), NULL, W, m->qkv, W, NULL, m->z.nt);
+    for (int t = 0; t < T; t++) signed_rope_row(m->qkv + (size_t)t * W, m->z.Hq + m->z.Hkv, m->z.D, cs + (size_t)t * csstride);
+}
+
+/* out = x + o(att); out += down(silu(gate) * up) of unit(out) */
+static void mtp_finish(mtp_t* m, float* out) {
+    dims_t* z = &m->z;
+    int T = z->T, d = z->d, ad = z->Hq * z->D;
+    quant_rows(m->att, T, ad, m->xq, m->xs);
+    qgemm(m->xq, m->xs, T, ad, MP(const int8_t, M_O_W), MP(const float, M_O_S), NULL, d, out, d, m->x, z->nt);
+    unit_quant(out, T, d, m->y, m->xq, m->xs);
+    qgemm(m->xq, m->xs, T, d, MP(const int8_t, M_GU_W), MP(const float, M_GU_S), NULL, 2 * z->I, m->gu, 2 * z->I, NULL, z->nt);
+    for (int t = 0; t < T; t++) swiglu_row(m->gu + (size_t)t * 2 * z->I, z->I, m->act + (size_t)t * z->I);
+    quant_rows(m->act, T, z->I, m->xq, m->xs);
+    qgemm(m->xq, m->xs, T, z->I, MP(const int8_t, M_DN_W), MP(const float, M_DN_S), NULL, d, out, d, out, z->nt);
+}
+
+/* the greedy draft of each row of out [T, d]: argmax of head(unit(out)), mapped through the vocabulary */
+static void mtp_argmax(mtp_t* m, const float* out, int64_t* dst, size_t dstride) {
+    int T = m->z.T, d = m->z.d, N = m->N;
+    unit_quant(out, T, d, m->y, m->xq, m->xs);
+    qgemm(m->xq, m->xs, T, d, MP(const int8_t, M_HEAD_W), MP(const float, M_HEAD_S), NULL, N, m->logits, N, NULL, m->z.nt);
+    const int64_t* vocab = MP(const int64_t, M_VOCAB);
+    for (int t = 0; t < T; t++) {
+        const float* l = m->logits + (size_t)t * N;
+        int best = 0;
+        for (int i = 1; i < N; i++) if (l[i] > l[best]) best = i;
+        dst[(size_t)t * dstride] = vocab ? vocab[best] : best;
+    }
+}
+
+static int mtp_alloc(mtp_t* m, const int32_t* ints, const float* floats, const int64_t* p) {
+    dims_t z = {ints[0], ints[1], 1, ints[2], ints[3], ints[4], ints[4], ints[5], ints[6], ints[7], ints[8],
+                0.f, floats[0]};
+    m->z = z;
+    m->p = p;
+    m->N = ints[9];
+    m->V = ints[10];
+    int T = z.T, d = z.d, W = (z.Hq + 2 * z.Hkv) * z.D, ad = z.Hq * z.D;
+    int wide = d > ad ? d : ad;
+    if (z.I > wide) wide = z.I;
+    m->x = (float*)malloc(sizeof(float) * (size_t)T * d);
+    m->y = (float*)malloc(sizeof(float) * (size_t)T * d);
+    m->qkv = (float*)malloc(sizeof(float) * (size_t)T * W);
+    m->att = (float*)malloc(sizeof(float) * (size_t)T * ad);
+    m->gu = (float*)malloc(sizeof(float) * (size_t)T * 2 * z.I);
+    m->act = (float*)malloc(sizeof(float) * (size_t)T * z.I);
+    m->logits = (float*)malloc(sizeof(float) * (size_t)T * m->N);
+    m->xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)T * wide);
+    m->xs = (float*)malloc(sizeof(float) * (size_t)T);
+    return (m->x && m->y && m->qkv && m->att && m->gu && m->act && m->logits && m->xq && m->xs && z.D <= 1024) ? 0 : -1;
+}
+
+static void mtp_free(mtp_t* m) {
+    free(m->x); free(m->y); free(m->qkv); free(m->att); free(m->gu); free(m->act); free(m->logits); free(m->xq); free(m->xs);
+}
+
+/* ints: T, d, Hq, Hkv, D, I, bs, tw, nt, N (head rows), V (token_proj rows); floats: attention scale.
+ * The drafter's rebuild: entries for T tokens (hidden [T, d], the token after each), each written to
+ * the pool at slot[t] and attending over its sequence's entries [0, pos[t]] -> out [T, d]. cs: the
+ * rope rows of the tokens (positions + 1), [T, 2, D]. */
+int cantata_mtp_rebuild(const int32_t* ints, const float* floats, const float* hidden, const int64_t* next_tokens,
+                        float* out, const float* cs, const int64_t* pos, const int64_t* slot, const int64_t* rowseq,
+                        const int64_t* tables, const int64_t* p) {
+    mtp_t mm, *m = &mm;
+    if (mtp_alloc(m, ints, floats, p)) { mtp_free(m); return -1; }
+    int T = m->z.T, D = m->z.D, W = (m->z.Hq + 2 * m->z.Hkv) * D;
+    size_t kvw = (size_t)m->z.Hkv * D;
+    int64_t* npool = (int64_t*)malloc(sizeof(int64_t) * (size_t)T);
+    int maxctx = 0;
+    for (int t = 0; t < T; t++) { npool[t] = pos[t] + 1; if (npool[t] > maxctx) maxctx = (int)npool[t]; }
+    mtp_fuse(m, hidden, next_tokens);
+    mtp_qkv(m, cs, 2 * (size_t)D);
+    float *kc = MP(float, M_KC), *vc = MP(float, M_VC);
+    for (int t = 0; t < T; t++) {
+        memcpy(kc + (size_t)slot[t] * kvw, m->qkv + (size_t)t * W + (size_t)m->z.Hq * D, kvw * sizeof(float));
+        memcpy(vc + (size_t)slot[t] * kvw, m->qkv + (size_t)t * W + (size_t)(m->z.Hq + m->z.Hkv) * D, kvw * sizeof(float));
+    }
+    attention_layer(&m->z, m->qkv, kc, vc, npool, rowseq, tables, NULL, NULL, 0, 0, m->att, maxctx);
+    mtp_finish(m, out);
+    free(npool);
+    mtp_free(m);
+    return 0;
+}
+
+/* The drafter's greedy chain for T = B rows: from prev [B, d] (each sequence's last entry output) and
+ * committed [B] (its C_b entries in the pool through its table), K drafts each -> drafts [B, K]. The
+ * chained entry of depth j >= 2 (index C_b + j - 2, rope position C_b + j - 1) lives in a dense tail;
+ * rope: the signed table [P, 2, D]. */
+int cantata_mtp_chain(const int32_t* ints, const float* floats, const float* prev, const int64_t* committed,
+                      const int64_t* tables, const float* rope, int P, int K, int64_t* drafts, const int64_t* p) {
+    mtp_t mm, *m = &mm;
+    if (mtp_alloc(m, ints, floats, p)) { mtp_free(m); return -1; }
+    int B = m->z.T, d = m->z.d, D = m->z.D, W = (m->z.Hq + 2 * m->z.Hkv) * D;
+    size_t kvw = (size_t)m->z.Hkv * D;
+    float* cur = (float*)malloc(sizeof(float) * (size_t)B * d);
+    float* nxt = (float*)malloc(sizeof(float) * (size_t)B * d);
+    float* tk = (float*)malloc(sizeof(float) * (size_t)B * K * kvw);
+    float* tv = (float*)malloc(sizeof(float) * (size_t)B * K * kvw);
+    float* cs = (float*)malloc(sizeof(float) * (size_t)B * 2 * D);
+    int64_t* rowseq = (int64_t*)malloc(sizeof(int64_t) * (size_t)B);
+    int64_t* tok = (int64_t*)malloc(sizeof(int64_t) * (size_t)B);
+    int rc = (cur && nxt && tk && tv && cs && rowseq && tok) ? 0 : -1;
+    int maxctx = 0;
+    for (int b = 0; b < B && !rc; b++) {
+        rowseq[b] = b;
+        if (committed[b] > maxctx) maxctx = (int)committed[b];
+        if (committed[b] + K > P) rc = -2;  /* the caller grows the table first */
+    }
+    if (!rc) {
+        memcpy(cur, prev, sizeof(float) * (size_t)B * d);
+        mtp_argmax(m, cur, drafts, (size_t)K);
+        for (int j = 2; j <= K; j++) {
+            for (int b = 0; b < B; b++) {
+                tok[b] = drafts[(size_t)b * K + j - 2];
+                memcpy(cs + (size_t)b * 2 * D, rope + (size_t)(committed[b] + j - 1) * 2 * D, sizeof(float) * 2 * (size_t)D);
+            }
+            mtp_fuse(m, cur, tok);
+            mtp_qkv(m, cs, 2 * (size_t)D);
+            for (int b = 0; b < B; b++) {
+                float* row = m->qkv + (size_t)b * W;
+                memcpy(tk + ((size_t)b * K + j - 2) * kvw, row + (size_t)m->z.Hq * D, kvw * sizeof(float));
+                memcpy(tv + ((size_t)b * K + j - 2) * kvw, row + (size_t)(m->z.Hq + m->z.Hkv) * D, kvw * sizeof(float));
+            }
+            attention_layer(&m->z, m->qkv, MP(const float, M_KC), MP(const float, M_VC), committed, rowseq, tables, tk, tv,
+                            j - 1, K, m->att, maxctx);
+            mtp_finish(m, nxt);
+            float* sw = cur; cur = nxt; nxt = sw;
+            mtp_argmax(m, cur, drafts + j - 1, (size_t)K);
+        }
+    }
+    free(cur); free(nxt); free(tk); free(tv); free(cs); free(rowseq); free(tok);
+    mtp_free(m);
+    return rc;
+}
+#undef MP
