@@ -142,8 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="keep each prompt's last N tokens")
     parser.add_argument("--prefix-ttft", action="store_true",
                         help="TTFT of the first request against later ones sharing its prefix (bench/prefix_ttft.py)")
-    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
-                        help="the target's products on the CPU (specialists/quantize.py); identical then compares with fp32 transformers")
+    parser.add_argument("--quantization", choices=["none", "int8", "auto"], default="none",
+                        help="the target's products on the CPU (specialists/quantize.py; the row records the resolved mode); "
+                             "identical then compares with fp32 transformers")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     add_arguments(parser)
     return parser
@@ -281,7 +282,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
         args.spec_prefix_hits = sides.spec_engine.stats.get("prefix_hit_tokens", 0) - spec_hits_before
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
-              "quantization": args.quantization, "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
+              "quantization": sides.engine.cfg.quantization, "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
     t_hf = 0.0
     if not args.skip_hf:
         theirs, t_hf = timed(sides.run_hf, batches, args.device, "transformers")

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     same = lambda a, b: round(sum(x == y for x, y in zip(tokens[a], tokens[b])) / len(prompts), 4)  # noqa: E731
     row = {"bench": "peers", "device": device_name("cpu"), "commit": git_commit(), "model": str(args.model),
            "gguf": args.gguf.name, "threads": args.threads, "prompts": len(prompts), "max_new_tokens": n,
-           "quantization": args.quantization, "spec_k": args.spec_k, "llamacpp_tok_s": tps["llamacpp"],
+           "quantization": engines["plain"].cfg.quantization, "spec_k": args.spec_k, "llamacpp_tok_s": tps["llamacpp"],
            "plain_tok_s": tps["plain"], "spec_tok_s": tps["spec"],
            "plain_over_llamacpp": round(tps["plain"] / tps["llamacpp"], 3),
            "spec_over_llamacpp": round(tps["spec"] / tps["llamacpp"], 3),

@@ -39,7 +39,7 @@ from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 from specialists.options import EngineConfig, EngineOptions
 from specialists.outputs import RequestError, RequestOutput, merge_status
-from specialists.quantize import quantize
+from specialists import quantize
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
 from specialists.wire import GrammarSpec
@@ -69,7 +69,8 @@ class Engine:
         self.snapshots = SSMSnapshots(self.ssm, self.kv, snaps) if hybrid and prefix else None
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler.snapshots = self.snapshots
-        self.quantized = quantize(model, cfg.quantization)  # weights with an int8 copy (specialists/quantize.py)
+        cfg, self.quantized = quantize.apply(model, cfg)  # "auto" resolved; weights with an int8 copy
+        self.cfg = cfg
         self.runner = Runner(model, self.kv, self.ssm, cfg)
         self.drafter = None if drafter is None else PagedDrafter(
             drafter, model.embed, model.lm_head, num_blocks=cfg.num_blocks, block_size=cfg.block_size, vocab=draft_vocab,

@@ -49,9 +49,10 @@ class EngineOptions:
     # (specialists/grammar.Bounds' fields: max_string, max_items, number_range); None: the checkpoint's
     # cantata.json "serving": {"grammar_bounds": ...} if any, else none (integers stay in JSON's safe range)
     grammar_bounds: dict | None = None
-    # the target's products on the CPU (specialists/quantize.py): "none" (fp32 / the checkpoint's dtype) or
-    # "int8" (weight-only int8 per output row, bf16 activations; a verify's rows give a plain decode's
-    # products bit for bit); None: "none"
+    # the target's products on the CPU (specialists/quantize.py): "none" (fp32 / the checkpoint's dtype),
+    # "int8" (weight-only int8 per output row; a verify's rows give a plain decode's products bit for bit)
+    # or "auto" (None): int8 on a CPU with the native kernels for an attention-only checkpoint of >= 50M
+    # parameters, else none (a GPU; the embedded toys, the exactness test bed against transformers)
     quantization: str | None = None
 
     @classmethod
@@ -76,8 +77,8 @@ class EngineOptions:
         if model_max_len is not None:
             limit = min(limit, model_max_len)
         num_blocks = self.num_blocks or self.max_num_seqs * -(-limit // self.block_size)
-        if self.quantization not in (None, "none", "int8"):
-            raise OptionsError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "auto", "none", "int8"):
+            raise OptionsError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
         if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
             raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
         return EngineConfig(
@@ -88,7 +89,7 @@ class EngineOptions:
             draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
-            quantization=self.quantization or "none",
+            quantization=self.quantization or "auto",
         )
 
 
@@ -112,7 +113,7 @@ class EngineConfig:
     cuda_graphs: bool
     fused_drafter: bool
     decode_steps: int
-    quantization: str = "none"
+    quantization: str = "auto"  # the engine resolves "auto" against its model (quantize.resolve)
 
 
 def _decode_steps(asked: int | None, graphs: bool, block_size: int) -> int:

@@ -98,6 +98,19 @@ def test_native_forward_agrees_with_torch_and_rows_are_exact_in_any_step() -> No
     assert torch.equal(mixed[9:], verify)
 
 
+def test_auto_quantizes_real_checkpoints_on_this_cpu_and_keeps_the_toys_exact() -> None:
+    """quantization="auto" (the default): the 3.5M-parameter toys stay fp32 (the exactness test bed),
+    the general specialist (135M) gets int8 where the native kernels run; "none" always wins."""
+    toy = Engine.from_pretrained("deploy/models/shell", policy=SpeculationPolicy(mode="off"))
+    assert toy.cfg.quantization == "none" and toy.quantized == 0 and toy.runner.model.native is None
+    general = Engine.from_pretrained("deploy/models/general", policy=SpeculationPolicy(mode="off"))
+    want = "int8" if native.available() else "none"
+    assert general.cfg.quantization == want and (general.quantized > 0) == (want == "int8")
+    assert (general.runner.model.native is not None) == (want == "int8") and general.runner.row_exact == (want == "int8")
+    fp32 = Engine.from_pretrained("deploy/models/general", policy=SpeculationPolicy(mode="off"), quantization="none")
+    assert fp32.cfg.quantization == "none" and fp32.quantized == 0
+
+
 def test_native_off_falls_back_to_torch_int8() -> None:
     code = ("from specialists.ops import native; from specialists.engine import Engine; "
             "from policies.policy import SpeculationPolicy; from specialists.sampling import SamplingParams; "
