@@ -20,7 +20,8 @@ exactly N new tokens, in batches of B prompts: the engine gets each batch at onc
 transformers gets it left-padded (at B = 1 there is no padding, a fair single-sequence figure). Both
 are warmed up before timing (the engines on every batch's reversed prompts, transformers on the
 first's). tok/s is generated tokens over wall time, aggregated over the
-batch; identical is the fraction of prompts whose greedy tokens equal transformers' exactly. The last
+batch; identical is the fraction of prompts whose greedy tokens equal transformers' exactly,
+hf_prefix_agreement the fraction of our tokens that come before each prompt's first difference. The last
 line of output is one JSON object.
 
 With --spec-k K the same prompts also go through the engine with MTP speculation (K drafts per step,
@@ -289,8 +290,10 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
         hf_tokens = sum(len(o) for o in theirs)
         same = sum(int(a == b) for a, b in zip(ours, theirs))
         hf_tok_s = hf_tokens / t_hf if t_hf > 0 else 0.0
+        lead = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours, theirs)]
         result.update(hf_tok_s=round(hf_tok_s, 2), ratio=round(engine_tok_s / hf_tok_s, 4) if hf_tok_s > 0 else None,
-                      identical=round(same / num_prompts, 4))
+                      identical=round(same / num_prompts, 4),  # and the share of tokens before each first difference:
+                      hf_prefix_agreement=round(sum(lead) / max(1, sum(len(a) for a in ours)), 4))
     if sides.spec_engine is not None:
         spec_tok_s = sum(len(o) for o in spec) / t_spec if t_spec > 0 else 0.0
         tot = sides.spec_engine.totals
