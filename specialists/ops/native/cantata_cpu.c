@@ -97,23 +97,33 @@ static inline void dot4(const int16_t* x, const int8_t* w, int K, int64_t* s) {
 }
 
 /* out[m, n] = acc(m, n) * xs[m] * ws[n] (+ bias[n]) (+ res[m, n]); rows of out are ldo apart (res too).
- * The int64 -> fp32 conversion is the one rounding before the scales. */
+ * The int64 -> fp32 conversion is the one rounding before the scales. Each thread takes a contiguous
+ * range of output columns; rows go in tiles of MTILE, so a prefill's activations stay in L2 while its
+ * weight rows stream past them (one pass over the weights per tile). */
+#define MTILE 64
 static void qgemm(const int16_t* xq, const float* xs, int M, int K, const int8_t* W, const float* ws,
                   const float* bias, int N, float* out, int ldo, const float* res, int nt) {
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const int8_t* wr = W + (size_t)n * K;
+    #pragma omp parallel num_threads(nt)
+    {
+        int nthr = omp_get_num_threads(), tid = omp_get_thread_num();
+        int lo = (int)((int64_t)N * tid / nthr), hi = (int)((int64_t)N * (tid + 1) / nthr);
         int64_t acc[4];
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            int mm = M - m0 < 4 ? M - m0 : 4;
-            if (mm == 4) dot4(xq + (size_t)m0 * K, wr, K, acc);
-            else for (int j = 0; j < mm; j++) acc[j] = dot1(xq + (size_t)(m0 + j) * K, wr, K);
-            for (int j = 0; j < mm; j++) {
-                size_t m = (size_t)(m0 + j);
-                float v = (float)acc[j] * xs[m] * ws[n];
-                if (bias) v += bias[n];
-                if (res) v += res[m * ldo + n];
-                out[m * ldo + n] = v;
+        for (int t0 = 0; t0 < M; t0 += MTILE) {
+            int t1 = M - t0 < MTILE ? M : t0 + MTILE;
+            for (int n = lo; n < hi; n++) {
+                const int8_t* wr = W + (size_t)n * K;
+                for (int m0 = t0; m0 < t1; m0 += 4) {
+                    int mm = t1 - m0 < 4 ? t1 - m0 : 4;
+                    if (mm == 4) dot4(xq + (size_t)m0 * K, wr, K, acc);
+                    else for (int j = 0; j < mm; j++) acc[j] = dot1(xq + (size_t)(m0 + j) * K, wr, K);
+                    for (int j = 0; j < mm; j++) {
+                        size_t m = (size_t)(m0 + j);
+                        float v = (float)acc[j] * xs[m] * ws[n];
+                        if (bias) v += bias[n];
+                        if (res) v += res[m * ldo + n];
+                        out[m * ldo + n] = v;
+                    }
+                }
             }
         }
     }
