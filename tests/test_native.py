@@ -154,3 +154,14 @@ def test_native_drafter_rebuilds_and_drafts_like_the_torch_path() -> None:
     assert rel < 1e-3, float(rel)
     same = (drafts["native"] == drafts["torch"]).float().mean()
     assert same >= 0.95, float(same)
+
+
+def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path) -> None:
+    code = ("import torch; from specialists.ops import native; "
+            "assert not native.available(); print(native.why_unavailable())")
+    env = dict(os.environ, CC="/bin/false", CANTATA_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    why = out.stdout.strip()
+    assert ("/bin/false failed on cantata_cpu.c" in why) or ("the CPU lacks" in why), why
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
