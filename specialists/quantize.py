@@ -19,6 +19,7 @@ Attention-only (Llama / Qwen2) models only: a hybrid's Mamba layers are refused.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -39,8 +40,12 @@ def resolve(model: Any, mode: str) -> str:
 
     if model.lm_head.device.type != "cpu" or getattr(model, "family", "") != "llama" or model.dtype != torch.float32:
         return "none"
-    params = model.embed.numel() + sum(w.numel() for w in product_weights(model)[1:])
-    return "int8" if params >= AUTO_MIN_PARAMS and native.available() else "none"
+    return "int8" if _params(model) >= AUTO_MIN_PARAMS and native.available() else "none"
+
+
+def _params(model: Any) -> int:
+    """The embedding's and the products' parameters (a Llama's; hybrids count their embedding only)."""
+    return model.embed.numel() + sum(w.numel() for w in product_weights(model)[1:])
 
 
 def apply(model: Any, cfg: Any) -> tuple[Any, int]:
@@ -61,8 +66,16 @@ def product_weights(model: Any) -> list[torch.Tensor]:
 
 
 def quantize(model: Any, mode: str) -> int:
-    """Applies `mode` ("none" or "int8") to a CPU model's products -> how many weights were quantized."""
+    """Applies `mode` ("none" or "int8") to a CPU model's products -> how many weights were quantized.
+    "none" on a CPU with the native kernels, for a model below AUTO_MIN_PARAMS (the toys, whose torch
+    steps are overhead): the fp32 stack runs natively too (CANTATA_NATIVE_FP32=0: torch). Larger fp32
+    models keep torch's oneDNN products, whose multi-row verify is faster than our fp32 kernel's."""
     if mode == "none" or model.lm_head.device.type != "cpu":
+        if mode == "none" and os.environ.get("CANTATA_NATIVE_FP32", "1") != "0" and _params(model) < AUTO_MIN_PARAMS:
+            from specialists.models.llama_native import NativeLlama, supports
+
+            if supports(model, fp32=True) is None:
+                model.native = NativeLlama(model, fp32=True)
         return 0
     if mode != "int8":
         raise ValueError(f"unknown quantization {mode!r}")

@@ -99,16 +99,48 @@ def test_native_forward_agrees_with_torch_and_rows_are_exact_in_any_step() -> No
 
 
 def test_auto_quantizes_real_checkpoints_on_this_cpu_and_keeps_the_toys_exact() -> None:
-    """quantization="auto" (the default): the 3.5M-parameter toys stay fp32 (the exactness test bed),
-    the general specialist (135M) gets int8 where the native kernels run; "none" always wins."""
+    """quantization="auto" (the default): the 3.5M-parameter toys stay fp32 (the exactness test bed;
+    their fp32 stack runs natively), the general specialist (135M) gets int8 where the native kernels
+    run, and with "none" keeps torch's fp32 path (oneDNN verifies faster than our fp32 kernel there)."""
     toy = Engine.from_pretrained("deploy/models/shell", policy=SpeculationPolicy(mode="off"))
-    assert toy.cfg.quantization == "none" and toy.quantized == 0 and toy.runner.model.native is None
+    assert toy.cfg.quantization == "none" and toy.quantized == 0
+    assert (toy.runner.model.native is not None and toy.runner.model.native.fp32) == native.available()
     general = Engine.from_pretrained("deploy/models/general", policy=SpeculationPolicy(mode="off"))
     want = "int8" if native.available() else "none"
     assert general.cfg.quantization == want and (general.quantized > 0) == (want == "int8")
     assert (general.runner.model.native is not None) == (want == "int8") and general.runner.row_exact == (want == "int8")
     fp32 = Engine.from_pretrained("deploy/models/general", policy=SpeculationPolicy(mode="off"), quantization="none")
-    assert fp32.cfg.quantization == "none" and fp32.quantized == 0
+    assert fp32.cfg.quantization == "none" and fp32.quantized == 0 and fp32.runner.model.native is None
+
+
+@needs_native
+def test_native_fp32_forward_agrees_with_torch_and_transformers() -> None:
+    """A toy's fp32 stack through the native kernels: hidden states within fp32 rounding of the torch
+    path, the same greedy logits argmax as transformers' LlamaForCausalLM on every row, and a verify's
+    rows bit for bit the decodes'."""
+    from transformers import AutoModelForCausalLM
+
+    eng = Engine.from_pretrained("deploy/models/shell", policy=SpeculationPolicy(mode="off"))
+    model, kv = eng.runner.model, eng.kv
+    assert model.native is not None and model.native.fp32
+    ids = eng.tokenizer("tar -czf backup.tar.gz /home/user/docs && ls -la | grep backup | wc -l")["input_ids"]
+    table = [6, 1, 9, 3]
+    h_native = _run(model, kv, [SeqStep(0, ids, 0, table, True, "all")])
+    plan, model.native = model.native, None
+    try:
+        h_torch = _run(model, kv, [SeqStep(0, ids, 0, table, True, "all")])
+    finally:
+        model.native = plan
+    torch.testing.assert_close(h_native, h_torch, rtol=1e-4, atol=1e-4)
+    hf = AutoModelForCausalLM.from_pretrained("deploy/models/shell", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert torch.equal(model.logits(h_native).argmax(-1), ref.argmax(-1))
+    n = len(ids) - 4
+    _run(model, kv, [SeqStep(0, ids[:n], 0, table, True, "all")])
+    verify = _run(model, kv, [SeqStep(0, ids[n:], n, table, False, "all")])
+    alone = [_run(model, kv, [SeqStep(0, [ids[n + i]], n + i, table, False, "all")]) for i in range(4)]
+    assert torch.equal(verify, torch.cat(alone))
 
 
 def test_native_off_falls_back_to_torch_int8() -> None:

@@ -1,12 +1,13 @@
-"""A Llama's int8 forward as one native call per step (specialists/ops/native.py): the engine's
-`quantization="int8"` on a CPU with AVX-512 VNNI.
+"""A Llama's forward as one native call per step (specialists/ops/native.py), on a CPU with AVX-512
+VNNI: over the int8 copies of `quantization="int8"`, or (fp32=True) over the checkpoint's fp32 weights
+(`quantization="none"`: the same products as a fixed-order fp32 sum per element).
 
 `NativeLlama(model)` takes the int8 copies `quantize_int8` made of the model's products (one fp32
 scale per output row) and a table of every layer's pointers; `model.forward` hands it a step's batch
-(any mix of prefills, decodes and verifies; not a static CUDA batch). Activations are quantized per
-row to int16 (finer than the torch path's bf16), each row attends alone over its own sequence's keys
-[0, position]: a row's result is the same bit for bit in any step, so speculation equals plain
-decoding. Only the embedding lookup and RoPE's cos/sin stay in torch.
+(any mix of prefills, decodes and verifies; not a static CUDA batch). With int8 weights activations
+are quantized per row to int16 (finer than the torch path's bf16); each row attends alone over its
+own sequence's keys [0, position]: a row's result is the same bit for bit in any step, so speculation
+equals plain decoding. Only the embedding lookup and RoPE's cos/sin stay in torch.
 """
 
 from __future__ import annotations
@@ -25,42 +26,46 @@ FIELDS = ("in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_b", "o_w", "o_s", "o_b"
           "dn_w", "dn_s", "dn_b", "kc", "vc")  # the order of the C side's P_* enum
 
 
-def supports(model: Any) -> str | None:
-    """None if `model` can take the native forward, else why not."""
+def supports(model: Any, fp32: bool = False) -> str | None:
+    """None if `model` can take the native forward (over its int8 copies, or its fp32 weights), else why not."""
     if not native.available():
         return f"native kernels unavailable: {native.why_unavailable()}"
-    if getattr(model, "family", "") != "llama" or model.dtype != torch.float32:
-        return "the native forward is for fp32 Llama / Qwen2 checkpoints"
+    if getattr(model, "family", "") != "llama" or model.dtype != torch.float32 or model.lm_head.device.type != "cpu":
+        return "the native forward is for fp32 Llama / Qwen2 checkpoints on the CPU"
     if model.rope.rotary_dim % 2 or model.rope.rotary_dim > model.head_dim:
         return "unsupported rotary width"
     widest = max(max(l.attn.qkv.shape[1], l.attn.o_proj.shape[1], l.mlp.down_proj.shape[1]) for l in model.layers)
     if widest > native.MAX_K:
         return f"a product {widest} wide exceeds the kernel's {native.MAX_K}"
-    if any(int8_of(w) is None for l in model.layers for w in (l.attn.qkv, l.attn.o_proj, l.mlp.gate_up, l.mlp.down_proj)):
+    if not fp32 and any(int8_of(w) is None for l in model.layers for w in (l.attn.qkv, l.attn.o_proj, l.mlp.gate_up, l.mlp.down_proj)):
         return "not every product is quantized"
     return None
 
 
 class NativeLlama:
-    def __init__(self, model: Any) -> None:
-        why = supports(model)
+    def __init__(self, model: Any, fp32: bool = False) -> None:
+        why = supports(model, fp32)
         if why:
             raise ValueError(why)
+        self.fp32 = fp32
         self._f = native.Addresses()  # keeps every tensor a pointer in the table refers to
         rows = []
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
             row = [self._f(layer.input_norm), self._f(layer.post_norm)]
             for w, b in ((a.qkv, a.qkv_bias), (a.o_proj, a.o_bias), (m.gate_up, m.gate_up_bias), (m.down_proj, m.down_bias)):
-                q = int8_of(w)
-                row += [self._f(q.w), self._f(q.scale32), self._f(b)]
+                if fp32:  # the weights as they are (no scale)
+                    row += [self._f(w), 0, self._f(b)]
+                else:
+                    q = int8_of(w)
+                    row += [self._f(q.w), self._f(q.scale32), self._f(b)]
             rows.append(row + [0, 0])  # the KV pool's layers: filled per pool
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.final_norm = model.norm.float().contiguous()
         cfg = model.config
         a = model.layers[0].attn
         self.dims = [0, cfg.hidden_size, len(model.layers), a.num_heads, a.num_kv_heads, a.head_dim,
-                     model.rope.rotary_dim, model.layers[0].mlp.down_proj.shape[1], 0, 0, 1]
+                     model.rope.rotary_dim, model.layers[0].mlp.down_proj.shape[1], 0, 0, 1, int(fp32)]
         self.floats = torch.tensor([model.eps, a.head_dim ** -0.5], dtype=torch.float32)
         self._pool: tuple[int, ...] = ()
 

@@ -129,6 +129,47 @@ static void qgemm(const int16_t* xq, const float* xs, int M, int K, const int8_t
     }
 }
 
+/* fp32 products (the engine's fp32 checkpoints): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) (+ res),
+ * one fixed-order sum per element (16 lanes, masked tail, the lanes' tree), four rows sharing each
+ * weight load: a row's result does not depend on the others. Tiled like qgemm. */
+static inline __attribute__((always_inline)) void fdot4(const float* x, int M4, const float* w, int K, float* s) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int k = 0; k < K; k += 16) {
+        __mmask16 m = tail_mask(K - k);
+        __m512 wv = _mm512_maskz_loadu_ps(m, w + k);
+        for (int j = 0; j < M4; j++) a[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + (size_t)j * K + k), wv, a[j]);
+    }
+    for (int j = 0; j < M4; j++) s[j] = _mm512_reduce_add_ps(a[j]);
+}
+
+static void fgemm(const float* x, int M, int K, const float* W, const float* bias, int N, float* out, int ldo,
+                  const float* res, int nt) {
+    #pragma omp parallel num_threads(nt)
+    {
+        int nthr = omp_get_num_threads(), tid = omp_get_thread_num();
+        int lo = (int)((int64_t)N * tid / nthr), hi = (int)((int64_t)N * (tid + 1) / nthr);
+        float acc[4];
+        for (int t0 = 0; t0 < M; t0 += MTILE) {
+            int t1 = M - t0 < MTILE ? M : t0 + MTILE;
+            for (int n = lo; n < hi; n++) {
+                const float* wr = W + (size_t)n * K;
+                for (int m0 = t0; m0 < t1; m0 += 4) {
+                    int mm = t1 - m0 < 4 ? t1 - m0 : 4;
+                    if (mm == 4) fdot4(x + (size_t)m0 * K, 4, wr, K, acc);
+                    else for (int j = 0; j < mm; j++) fdot4(x + (size_t)(m0 + j) * K, 1, wr, K, acc + j);
+                    for (int j = 0; j < mm; j++) {
+                        size_t m = (size_t)(m0 + j);
+                        float v = acc[j];
+                        if (bias) v += bias[n];
+                        if (res) v += res[m * ldo + n];
+                        out[m * ldo + n] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* x [M, K] fp32 -> int16 rows and scales, then qgemm (the entry point for single products) */
 int cantata_qlinear(const float* x, int M, int K, const int8_t* W, const float* ws, const float* bias, int N,
                     float* out, const float* res, int16_t* xq, float* xs, int nt) {
@@ -148,14 +189,6 @@ static void rms_norm_row(const float* x, const float* w, int d, float eps, float
         __mmask16 m = tail_mask(d - k);
         __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), r);
         _mm512_mask_storeu_ps(y + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + k)));
-    }
-}
-
-/* RMSNorm of each row, then its int16 quantization (x is the scratch for the normed row) */
-static void norm_quant(const float* h, int T, int d, const float* w, float eps, float* x, int16_t* xq, float* xs) {
-    for (int t = 0; t < T; t++) {
-        rms_norm_row(h + (size_t)t * d, w, d, eps, x + (size_t)t * d);
-        xs[t] = quant_row(x + (size_t)t * d, d, xq + (size_t)t * d);
     }
 }
 
@@ -308,6 +341,19 @@ static void quant_rows(const float* x, int T, int K, int16_t* xq, float* xs) {
     for (int t = 0; t < T; t++) xs[t] = quant_row(x + (size_t)t * K, K, xq + (size_t)t * K);
 }
 
+/* One product of the stack over fp32 rows x [T, K] -> out [T, N] (+ res): fp32 weights as they are,
+ * or int8 weights with the rows rounded to int16 first. p + iw: weight, scale, bias pointers. */
+static void product(int fp32, const float* x, int T, int K, const int64_t* p, int iw, int N, float* out,
+                    const float* res, int16_t* xq, float* xs, int nt) {
+    const float* bias = (const float*)(intptr_t)p[iw + 2];
+    if (fp32) {
+        fgemm(x, T, K, (const float*)(intptr_t)p[iw], bias, N, out, N, res, nt);
+        return;
+    }
+    quant_rows(x, T, K, xq, xs);
+    qgemm(xq, xs, T, K, (const int8_t*)(intptr_t)p[iw], (const float*)(intptr_t)p[iw + 1], bias, N, out, N, res, nt);
+}
+
 /* The whole stack: h [T, d] (the embeddings) is the residual stream, updated in place; out [T, d]
  * gets the final-normed hidden states. layers: L rows of P_COUNT pointers (see the enum). */
 int cantata_llama_forward(const int32_t* ints, const float* floats, float* h, float* out, const float* final_norm,
@@ -315,7 +361,7 @@ int cantata_llama_forward(const int32_t* ints, const float* floats, float* h, fl
                           const float* cosv, const float* sinv, const int64_t* layers) {
     dims_t z = {ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
                 floats[0], floats[1]};
-    int T = z.T, d = z.d, qw = (z.Hq + 2 * z.Hkv) * z.D, ad = z.Hq * z.D;
+    int T = z.T, d = z.d, qw = (z.Hq + 2 * z.Hkv) * z.D, ad = z.Hq * z.D, f32 = ints[11];
     int wide = d > ad ? d : ad;
     if (z.I > wide) wide = z.I;
     int maxctx = 0;
@@ -333,17 +379,15 @@ int cantata_llama_forward(const int32_t* ints, const float* floats, float* h, fl
     for (int l = 0; l < z.L; l++) {
         const int64_t* p = layers + (size_t)l * P_COUNT;
         #define PTR(type, i) ((type*)(intptr_t)p[i])
-        norm_quant(h, T, d, PTR(const float, P_IN_NORM), z.eps, x, xq, xs);
-        qgemm(xq, xs, T, d, PTR(const int8_t, P_QKV_W), PTR(const float, P_QKV_S), PTR(const float, P_QKV_B), qw, qkv, qw, NULL, z.nt);
+        for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, PTR(const float, P_IN_NORM), d, z.eps, x + (size_t)t * d);
+        product(f32, x, T, d, p, P_QKV_W, qw, qkv, NULL, xq, xs, z.nt);
         rope_write(&z, qkv, cosv, sinv, slot, PTR(float, P_KC), PTR(float, P_VC));
         attention_layer(&z, qkv, PTR(float, P_KC), PTR(float, P_VC), npool, rowseq, tables, NULL, NULL, 0, 0, att, maxctx);
-        quant_rows(att, T, ad, xq, xs);
-        qgemm(xq, xs, T, ad, PTR(const int8_t, P_O_W), PTR(const float, P_O_S), PTR(const float, P_O_B), d, h, d, h, z.nt);
-        norm_quant(h, T, d, PTR(const float, P_POST_NORM), z.eps, x, xq, xs);
-        qgemm(xq, xs, T, d, PTR(const int8_t, P_GU_W), PTR(const float, P_GU_S), PTR(const float, P_GU_B), 2 * z.I, gu, 2 * z.I, NULL, z.nt);
+        product(f32, att, T, ad, p, P_O_W, d, h, h, xq, xs, z.nt);
+        for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, PTR(const float, P_POST_NORM), d, z.eps, x + (size_t)t * d);
+        product(f32, x, T, d, p, P_GU_W, 2 * z.I, gu, NULL, xq, xs, z.nt);
         for (int t = 0; t < T; t++) swiglu_row(gu + (size_t)t * 2 * z.I, z.I, act + (size_t)t * z.I);
-        quant_rows(act, T, z.I, xq, xs);
-        qgemm(xq, xs, T, z.I, PTR(const int8_t, P_DN_W), PTR(const float, P_DN_S), PTR(const float, P_DN_B), d, h, d, h, z.nt);
+        product(f32, act, T, z.I, p, P_DN_W, d, h, h, xq, xs, z.nt);
         #undef PTR
     }
     for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, final_norm, d, z.eps, out + (size_t)t * d);
