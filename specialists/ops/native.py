@@ -29,7 +29,10 @@ import torch
 __all__ = ["available", "why_unavailable", "library", "qlinear", "Addresses", "MAX_K"]
 
 SOURCE = Path(__file__).with_name("native") / "cantata_cpu.c"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+# -ffp-contract=off: the compiler never fuses a scalar a * b + c into one rounding on its own (FMAs only
+# where the source asks, through intrinsics), so two code paths over the same row round alike
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp",
+         "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
 MAX_K = 32768  # the widest product input the int32 lanes take without overflow (see dot_i16_i8)
 
