@@ -39,7 +39,7 @@ from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 from specialists.options import EngineConfig, EngineOptions
 from specialists.outputs import RequestError, RequestOutput, merge_status
-from specialists import quantize
+from specialists import detok, quantize
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
 from specialists.wire import GrammarSpec
@@ -322,7 +322,7 @@ class Engine:
             n, event = limit, None
         if p.stop:
             for i in range(n):
-                text = self.tokenizer.decode(seq.output_ids + run[: i + 1])
+                text = detok.text_of(self.tokenizer, seq, seq.output_ids + run[: i + 1], advance=False)
                 if any(s in text for s in p.stop):
                     return i + 1, "stop_string"
         return n, event
@@ -346,7 +346,7 @@ class Engine:
                 seq.guide.tool_opened()
         if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.cfg.max_model_len):
             reason = "length"
-        seq.text = self.tokenizer.decode(visible)
+        seq.text = detok.text_of(self.tokenizer, seq, visible)  # = tokenizer.decode(visible), incrementally
         if event == "stop_string" or (p.stop and reason is None):
             hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
             if hits:

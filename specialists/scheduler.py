@@ -50,6 +50,7 @@ class Sequence:
     ssm_slot: int = -1
     finish_reason: str | None = None
     text: str = ""
+    detok: tuple = (0, "", None)  # specialists/detok.py: (tokens, text, last token) of the stable prefix
     generator: torch.Generator | None = None
     spec_k: int = 0  # drafts to verify this step (set by the engine before scheduling)
     decode_steps: int = 1  # greedy plain decodes this step may run in one forward (specialists/multistep.py)
