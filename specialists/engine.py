@@ -277,7 +277,7 @@ class Engine:
         """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call; and
         how many greedy plain decodes it may run in one forward (steps, fewer near max_model_len)."""
         for seq in self.scheduler.running:
-            room = self.cfg.max_model_len - len(seq.all_ids) - 1  # past max_model_len: no KV room
+            room = self.cfg.max_model_len - seq.num_tokens - 1  # past max_model_len: no KV room
             if not self.runner.static:  # static steps draft past max_tokens and cut (one graph per K)
                 room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
             seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
@@ -310,14 +310,14 @@ class Engine:
 
     def _check_invariants(self) -> None:
         for seq in self.scheduler.running:
-            if self.kv.num_computed(seq.seq_id) != len(seq.all_ids) - 1:
-                raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {len(seq.all_ids) - 1}")
+            if self.kv.num_computed(seq.seq_id) != seq.num_tokens - 1:
+                raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {seq.num_tokens - 1}")
 
     def _cut(self, seq: Sequence, run: list[int]) -> tuple[int, str | None]:
         """How many run tokens to keep: through the first trigger, the stop string, max_tokens."""
         p = seq.params
         n, event = self.triggers.cut(run, p.stop_token_ids, p.ignore_eos)
-        limit = min(p.max_tokens - len(seq.output_ids), self.cfg.max_model_len - len(seq.all_ids))
+        limit = min(p.max_tokens - len(seq.output_ids), self.cfg.max_model_len - seq.num_tokens)
         if n > limit:
             n, event = limit, None
         if p.stop:
@@ -344,7 +344,7 @@ class Engine:
             seq.in_tool = True
             if seq.guide is not None:  # tool_choice auto: the call's grammar starts after <tool_call>
                 seq.guide.tool_opened()
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.cfg.max_model_len):
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len):
             reason = "length"
         seq.text = detok.text_of(self.tokenizer, seq, visible)  # = tokenizer.decode(visible), incrementally
         if event == "stop_string" or (p.stop and reason is None):

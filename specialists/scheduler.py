@@ -63,6 +63,10 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def num_tokens(self) -> int:  # len(all_ids), without building the list (the engine asks every step)
+        return len(self.prompt_ids) + len(self.output_ids)
+
     # ---- transitions (scheduler) ---------------------------------------------------------------
 
     def admit(self, ssm_slot: int) -> None:
@@ -162,7 +166,7 @@ class Scheduler:
         return scheduled
 
     def preempt(self, seq: Sequence) -> None:
-        log.info("preempting %s (%d tokens) to free KV blocks", seq.request_id, len(seq.all_ids))
+        log.info("preempting %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
         self._release(seq)
         seq.preempt()
         self.waiting.appendleft(seq)
