@@ -57,7 +57,7 @@ class NativeDrafter:
         if T == 0:
             return out
         self.d._grow(batch.max_context_len + 1)
-        i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731
+        i64 = native.int64
         pos = i64(batch.positions)
         cs = self.d.rope.table[pos + 1].contiguous()  # [T, 2, 1, hd]
         tables = i64(batch.block_tables)
@@ -78,7 +78,7 @@ class NativeDrafter:
         self.d._grow(max(committed) + k + 1)
         rope = self.d.rope.table  # [P, 2, 1, hd], contiguous
         c = torch.tensor(committed, dtype=torch.int64)
-        tab = tables.to(torch.int64).contiguous()
+        tab = native.int64(tables)
         p = prev.float().contiguous()
         ints = self._ints(B, tab.shape[1])
         rc = native.library().cantata_mtp_chain(

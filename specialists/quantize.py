@@ -70,12 +70,11 @@ def quantize(model: Any, mode: str) -> int:
     "none" on a CPU with the native kernels, for a model below AUTO_MIN_PARAMS (the toys, whose torch
     steps are overhead): the fp32 stack runs natively too (CANTATA_NATIVE_FP32=0: torch). Larger fp32
     models keep torch's oneDNN products, whose multi-row verify is faster than our fp32 kernel's."""
-    if mode == "none" or model.lm_head.device.type != "cpu":
-        if mode == "none" and os.environ.get("CANTATA_NATIVE_FP32", "1") != "0" and _params(model) < AUTO_MIN_PARAMS:
-            from specialists.models.llama_native import NativeLlama, supports
-
-            if supports(model, fp32=True) is None:
-                model.native = NativeLlama(model, fp32=True)
+    if model.lm_head.device.type != "cpu":
+        return 0
+    if mode == "none":
+        if os.environ.get("CANTATA_NATIVE_FP32", "1") != "0" and _params(model) < AUTO_MIN_PARAMS:
+            _attach_native(model, fp32=True)
         return 0
     if mode != "int8":
         raise ValueError(f"unknown quantization {mode!r}")
@@ -83,11 +82,18 @@ def quantize(model: Any, mode: str) -> int:
         raise ValueError(f"quantization 'int8' is for attention-only models, not {model.family!r}: a hybrid's Mamba "
                          "layers differ between a verify and a decode in the last bits, which bf16 activations "
                          "turn into other tokens (speculation would no longer equal plain decoding)")
-    from specialists.models.llama_native import NativeLlama, supports
-    from specialists.ops import native as native_ops
+    from specialists.ops import native
 
-    use_native = native_ops.available() and model.dtype == torch.float32
+    use_native = native.available() and model.dtype == torch.float32
     n = sum(quantize_int8(w, native=use_native) for w in product_weights(model))
-    if use_native and supports(model) is None:
-        model.native = NativeLlama(model)  # the whole stack in one native call per step
+    if use_native:
+        _attach_native(model, fp32=False)
     return n
+
+
+def _attach_native(model: Any, fp32: bool) -> None:
+    """The whole stack in one native call per step (models/llama_native.py), where the model allows it."""
+    from specialists.models.llama_native import NativeLlama, supports
+
+    if supports(model, fp32) is None:
+        model.native = NativeLlama(model, fp32)

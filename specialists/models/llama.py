@@ -214,7 +214,7 @@ class LlamaModel(DecoderBase):
         ]
         self.rope = Rope(config, self.head_dim, self.device)
         self.dtype = self.embed.dtype
-        self.native = None  # llama_native.NativeLlama: set by quantize("int8") where the CPU kernels run
+        self.native = None  # llama_native.NativeLlama: set by specialists/quantize.py where the CPU kernels run
 
     @property
     def num_attention_layers(self) -> int:

@@ -22,10 +22,6 @@ from specialists.ops.linear import int8_of
 
 __all__ = ["NativeLlama", "supports"]
 
-FIELDS = ("in_norm", "post_norm", "qkv_w", "qkv_s", "qkv_b", "o_w", "o_s", "o_b", "gu_w", "gu_s", "gu_b",
-          "dn_w", "dn_s", "dn_b", "kc", "vc")  # the order of the C side's P_* enum
-
-
 def supports(model: Any, fp32: bool = False) -> str | None:
     """None if `model` can take the native forward (over its int8 copies, or its fp32 weights), else why not."""
     if not native.available():
@@ -49,7 +45,7 @@ class NativeLlama:
             raise ValueError(why)
         self.fp32 = fp32
         self._f = native.Addresses()  # keeps every tensor a pointer in the table refers to
-        rows = []
+        rows = []  # per layer, in the order of the C side's P_* enum: norms, then (weight, scale, bias) x 4, KV
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
             row = [self._f(layer.input_norm), self._f(layer.post_norm)]
@@ -70,16 +66,17 @@ class NativeLlama:
         self._pool: tuple[int, ...] = ()
 
     def _bind(self, kv: Any) -> None:
-        """Points the table at this KV pool's layers (again only when the pool changed)."""
-        key = tuple(t.data_ptr() for t in (*kv.k, *kv.v))
+        """Points the table at this KV pool's layers (kv.k / kv.v: [L, blocks, block_size, H_kv, D]), again
+        only when the pool moved: one check per step, no per-layer views."""
+        key = (kv.k.data_ptr(), kv.v.data_ptr())
         if key == self._pool:
             return
-        for t in (*kv.k, *kv.v):
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("the native forward needs a contiguous fp32 KV pool")
-        L = len(kv.k)
-        self.table[:, -2] = torch.tensor(key[:L])
-        self.table[:, -1] = torch.tensor(key[L:])
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (kv.k, kv.v)):
+            raise ValueError("the native forward needs a contiguous fp32 KV pool")
+        step = kv.k.stride(0) * kv.k.element_size()  # bytes per layer
+        layers = torch.arange(len(self.table), dtype=torch.int64) * step
+        self.table[:, -2] = key[0] + layers
+        self.table[:, -1] = key[1] + layers
         self._pool = key
 
     def __call__(self, batch: ForwardBatch, kv: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,13 +87,11 @@ class NativeLlama:
         out = torch.empty_like(h)
         if T == 0:
             return out
-        block_size = kv.k[0].shape[1]
-        i64 = lambda t: t.to(torch.int64).contiguous()  # noqa: E731  (a no-op for the runner's int64 views)
-        tables = i64(batch.block_tables)
-        self.dims[0], self.dims[8], self.dims[9], self.dims[10] = T, block_size, tables.shape[1], torch.get_num_threads()
+        tables = native.int64(batch.block_tables)
+        self.dims[0], self.dims[8], self.dims[9], self.dims[10] = T, kv.k.shape[2], tables.shape[1], torch.get_num_threads()
         ints = torch.tensor(self.dims, dtype=torch.int32)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        pos, slots, seq = i64(batch.positions), i64(batch.slot_mapping), i64(batch.token_seq)
+        pos, slots, seq = (native.int64(t) for t in (batch.positions, batch.slot_mapping, batch.token_seq))
         rc = native.library().cantata_llama_forward(
             ints.data_ptr(), self.floats.data_ptr(), h.data_ptr(), out.data_ptr(), self.final_norm.data_ptr(),
             pos.data_ptr(), slots.data_ptr(), seq.data_ptr(), tables.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "why_unavailable", "library", "qlinear", "Addresses", "MAX_K"]
+__all__ = ["available", "why_unavailable", "library", "qlinear", "Addresses", "int64", "MAX_K"]
 
 SOURCE = Path(__file__).with_name("native") / "cantata_cpu.c"
 # -ffp-contract=off: the compiler never fuses a scalar a * b + c into one rounding on its own (FMAs only
@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("native") / "cantata_cpu.c"
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
-MAX_K = 32768  # the widest product input the int32 lanes take without overflow (see dot_i16_i8)
+MAX_K = 32768  # the widest product input the int32 lanes take without overflow (see lanes_total)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -135,6 +135,11 @@ class Addresses:
         t = t.contiguous()
         self.keep.append(t)
         return t.data_ptr()
+
+
+def int64(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous int64 tensor, as the kernels read indices (a no-op for the runner's int64 views)."""
+    return t.to(torch.int64).contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

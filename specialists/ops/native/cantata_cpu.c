@@ -96,42 +96,8 @@ static inline void dot4(const int16_t* x, const int8_t* w, int K, int64_t* s) {
     }
 }
 
-/* out[m, n] = acc(m, n) * xs[m] * ws[n] (+ bias[n]) (+ res[m, n]); rows of out are ldo apart (res too).
- * The int64 -> fp32 conversion is the one rounding before the scales. Each thread takes a contiguous
- * range of output columns; rows go in tiles of MTILE, so a prefill's activations stay in L2 while its
- * weight rows stream past them (one pass over the weights per tile). */
-#define MTILE 64
-static void qgemm(const int16_t* xq, const float* xs, int M, int K, const int8_t* W, const float* ws,
-                  const float* bias, int N, float* out, int ldo, const float* res, int nt) {
-    #pragma omp parallel num_threads(nt)
-    {
-        int nthr = omp_get_num_threads(), tid = omp_get_thread_num();
-        int lo = (int)((int64_t)N * tid / nthr), hi = (int)((int64_t)N * (tid + 1) / nthr);
-        int64_t acc[4];
-        for (int t0 = 0; t0 < M; t0 += MTILE) {
-            int t1 = M - t0 < MTILE ? M : t0 + MTILE;
-            for (int n = lo; n < hi; n++) {
-                const int8_t* wr = W + (size_t)n * K;
-                for (int m0 = t0; m0 < t1; m0 += 4) {
-                    int mm = t1 - m0 < 4 ? t1 - m0 : 4;
-                    if (mm == 4) dot4(xq + (size_t)m0 * K, wr, K, acc);
-                    else for (int j = 0; j < mm; j++) acc[j] = dot1(xq + (size_t)(m0 + j) * K, wr, K);
-                    for (int j = 0; j < mm; j++) {
-                        size_t m = (size_t)(m0 + j);
-                        float v = (float)acc[j] * xs[m] * ws[n];
-                        if (bias) v += bias[n];
-                        if (res) v += res[m * ldo + n];
-                        out[m * ldo + n] = v;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/* fp32 products (the engine's fp32 checkpoints): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) (+ res),
- * one fixed-order sum per element (16 lanes, masked tail, the lanes' tree), four rows sharing each
- * weight load: a row's result does not depend on the others. Tiled like qgemm. */
+/* fp32 weights: sum_k x[m, k] w[k] for M4 <= 4 rows of x (K apart) sharing each weight load, one
+ * fixed-order sum per row (16 lanes, masked tail, the lanes' tree) */
 static inline __attribute__((always_inline)) void fdot4(const float* x, int M4, const float* w, int K, float* s) {
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int k = 0; k < K; k += 16) {
@@ -142,32 +108,72 @@ static inline __attribute__((always_inline)) void fdot4(const float* x, int M4, 
     for (int j = 0; j < M4; j++) s[j] = _mm512_reduce_add_ps(a[j]);
 }
 
-static void fgemm(const float* x, int M, int K, const float* W, const float* bias, int N, float* out, int ldo,
-                  const float* res, int nt) {
-    #pragma omp parallel num_threads(nt)
+/* A product over M rows: int8 weights W [N, K] with scales ws against rows rounded to int16 (xq, xs),
+ * or (ws NULL) fp32 weights against fp32 rows xf. */
+typedef struct {
+    const int16_t* xq;
+    const float *xs, *xf, *ws, *bias, *res;
+    const void* W;
+    float* out;
+    int M, K, N, ldo, nt;
+} gemm_t;
+
+/* rows m0..m0+mm-1 (mm <= 4) times weight row n, before bias and residual. int8: the exact integer
+ * sum, converted to fp32 once, then times the two scales. Every row takes the same instructions in
+ * any call: its result does not depend on the other rows. */
+static inline void gemm_block(const gemm_t* g, int n, int m0, int mm, float* v) {
+    size_t K = (size_t)g->K;
+    if (!g->ws) {
+        const float* wr = (const float*)g->W + (size_t)n * K;
+        if (mm == 4) fdot4(g->xf + m0 * K, 4, wr, g->K, v);
+        else for (int j = 0; j < mm; j++) fdot4(g->xf + (m0 + j) * K, 1, wr, g->K, v + j);
+        return;
+    }
+    const int8_t* wr = (const int8_t*)g->W + (size_t)n * K;
+    int64_t acc[4];
+    if (mm == 4) dot4(g->xq + m0 * K, wr, g->K, acc);
+    else for (int j = 0; j < mm; j++) acc[j] = dot1(g->xq + (m0 + j) * K, wr, g->K);
+    for (int j = 0; j < mm; j++) v[j] = (float)acc[j] * g->xs[m0 + j] * g->ws[n];
+}
+
+/* out[m, n] = the product (+ bias[n]) (+ res[m, n]); rows of out are ldo apart (res too). Each thread
+ * takes a contiguous range of output columns; rows go in tiles of MTILE, so a prefill's activations
+ * stay in L2 while its weight rows stream past them (one pass over the weights per tile). */
+#define MTILE 64
+static void gemm(const gemm_t* g) {
+    #pragma omp parallel num_threads(g->nt)
     {
         int nthr = omp_get_num_threads(), tid = omp_get_thread_num();
-        int lo = (int)((int64_t)N * tid / nthr), hi = (int)((int64_t)N * (tid + 1) / nthr);
-        float acc[4];
-        for (int t0 = 0; t0 < M; t0 += MTILE) {
-            int t1 = M - t0 < MTILE ? M : t0 + MTILE;
-            for (int n = lo; n < hi; n++) {
-                const float* wr = W + (size_t)n * K;
+        int lo = (int)((int64_t)g->N * tid / nthr), hi = (int)((int64_t)g->N * (tid + 1) / nthr);
+        float v[4];
+        for (int t0 = 0; t0 < g->M; t0 += MTILE) {
+            int t1 = g->M - t0 < MTILE ? g->M : t0 + MTILE;
+            for (int n = lo; n < hi; n++)
                 for (int m0 = t0; m0 < t1; m0 += 4) {
                     int mm = t1 - m0 < 4 ? t1 - m0 : 4;
-                    if (mm == 4) fdot4(x + (size_t)m0 * K, 4, wr, K, acc);
-                    else for (int j = 0; j < mm; j++) fdot4(x + (size_t)(m0 + j) * K, 1, wr, K, acc + j);
+                    gemm_block(g, n, m0, mm, v);
                     for (int j = 0; j < mm; j++) {
-                        size_t m = (size_t)(m0 + j);
-                        float v = acc[j];
-                        if (bias) v += bias[n];
-                        if (res) v += res[m * ldo + n];
-                        out[m * ldo + n] = v;
+                        size_t at = (size_t)(m0 + j) * g->ldo + n;
+                        float x = v[j];
+                        if (g->bias) x += g->bias[n];
+                        if (g->res) x += g->res[at];
+                        g->out[at] = x;
                     }
                 }
-            }
         }
     }
+}
+
+static void qgemm(const int16_t* xq, const float* xs, int M, int K, const int8_t* W, const float* ws,
+                  const float* bias, int N, float* out, int ldo, const float* res, int nt) {
+    gemm_t g = {xq, xs, NULL, ws, bias, res, W, out, M, K, N, ldo, nt};
+    gemm(&g);
+}
+
+static void fgemm(const float* x, int M, int K, const float* W, const float* bias, int N, float* out, int ldo,
+                  const float* res, int nt) {
+    gemm_t g = {NULL, NULL, x, NULL, bias, res, W, out, M, K, N, ldo, nt};
+    gemm(&g);
 }
 
 /* x [M, K] fp32 -> int16 rows and scales, then qgemm (the entry point for single products) */
