@@ -143,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="keep each prompt's last N tokens")
     parser.add_argument("--prefix-ttft", action="store_true",
                         help="TTFT of the first request against later ones sharing its prefix (bench/prefix_ttft.py)")
-    parser.add_argument("--quantization", choices=["none", "int8", "auto"], default="none",
+    parser.add_argument("--quantization", choices=["none", "int8", "q4", "auto"], default="none",
                         help="the target's products on the CPU (specialists/quantize.py; the row records the resolved mode); "
                              "identical then compares with fp32 transformers")
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")

@@ -10,8 +10,10 @@ tokenized once (our tokenizer; the GGUF's vocabulary is the same model's), both 
 ids, EOS ignored, `max_new_tokens` greedy tokens. Decode tok/s counts the tokens after the first over
 the time after the first one (the prompt's evaluation excluded on both sides; ours takes the prompt
 again from its prefix cache and recomputes only its last, partial block inside the timed part).
-`same_as_llamacpp`: the fraction of prompts whose tokens equal llama.cpp's (a 4-bit model against our
-weights, dequantized and re-quantized or not, so not expected to be 1).
+`same_as_llamacpp`: the fraction of prompts whose tokens equal llama.cpp's; `prefix_agreement_llamacpp`:
+the mean fraction of the tokens before the first difference (with `q4` both sides read the file's own
+4-bit weights and differ only in how activations are rounded and sums ordered; with int8 ours are a
+second rounding of them).
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ def _llamacpp_run(llm, ids: list[int], n: int) -> tuple[list[int], float]:
     llm.reset()
     llm.eval(ids)
     out, t0 = [], None
+    vocab = llm.n_vocab()
     for _ in range(n):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # the last token's logits from the context (llama-cpp-python >= 0.3 no longer copies them into
+        # llm.scores unless logits_all; reading scores gave zeros, argmax token 0, before 2026-11-26)
+        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
         out.append(tok)
         if t0 is None:
             t0 = time.perf_counter()
@@ -58,6 +63,11 @@ def _ours_run(engine, ids: list[int], n: int) -> tuple[list[int], float]:
     return first + out, time.perf_counter() - t0
 
 
+def _prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, required=True)
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spec-k", type=int, default=3)
-    ap.add_argument("--quantization", choices=["none", "int8"], default="int8")
+    ap.add_argument("--quantization", choices=["none", "int8", "q4", "auto"], default="int8")
     ap.add_argument("--results", type=Path)
     args = ap.parse_args(argv)
     import torch
@@ -106,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
            "plain_tok_s": tps["plain"], "spec_tok_s": tps["spec"],
            "plain_over_llamacpp": round(tps["plain"] / tps["llamacpp"], 3),
            "spec_over_llamacpp": round(tps["spec"] / tps["llamacpp"], 3),
-           "identical_spec": same("spec", "plain"), "same_as_llamacpp": same("plain", "llamacpp")}
+           "identical_spec": same("spec", "plain"), "same_as_llamacpp": same("plain", "llamacpp"),
+           "prefix_agreement_llamacpp": round(sum(_prefix(a, b) for a, b in zip(tokens["plain"], tokens["llamacpp"]))
+                                              / (len(prompts) * n), 4)}
     record(args.results, row)
     print(json.dumps(row), flush=True)
     return 0

@@ -50,9 +50,11 @@ class EngineOptions:
     # cantata.json "serving": {"grammar_bounds": ...} if any, else none (integers stay in JSON's safe range)
     grammar_bounds: dict | None = None
     # the target's products on the CPU (specialists/quantize.py): "none" (fp32 / the checkpoint's dtype),
-    # "int8" (weight-only int8 per output row; a verify's rows give a plain decode's products bit for bit)
-    # or "auto" (None): int8 on a CPU with the native kernels for an attention-only checkpoint of >= 50M
-    # parameters, else none (a GPU; the embedded toys, the exactness test bed against transformers)
+    # "int8" (weight-only int8 per output row; a verify's rows give a plain decode's products bit for bit),
+    # "q4" (the 4-bit blocks of the GGUF the checkpoint was imported from, as llama.cpp reads them) or
+    # "auto" (None): on a CPU with the native kernels, for an attention-only checkpoint of >= 50M
+    # parameters q4 where it has GGUF blocks, else int8; else none (a GPU; the embedded toys, the
+    # exactness test bed against transformers)
     quantization: str | None = None
 
     @classmethod
@@ -77,8 +79,8 @@ class EngineOptions:
         if model_max_len is not None:
             limit = min(limit, model_max_len)
         num_blocks = self.num_blocks or self.max_num_seqs * -(-limit // self.block_size)
-        if self.quantization not in (None, "auto", "none", "int8"):
-            raise OptionsError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "auto", "none", "int8", "q4"):
+            raise OptionsError(f"quantization must be 'auto', 'none', 'int8' or 'q4', got {self.quantization!r}")
         if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
             raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
         return EngineConfig(

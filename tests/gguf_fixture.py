@@ -18,8 +18,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from checkpoint_parity import SHELL
 
-Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 QUANTIZED = ("ffn_gate", "ffn_up", "ffn_down")
+ALL_PRODUCTS = ("attn_q", "attn_k", "attn_v", "attn_output", *QUANTIZED)
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -36,11 +37,12 @@ def _interleave_rope(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(model: LlamaForCausalLM) -> dict[str, tuple[np.ndarray, bool]]:
-    """GGUF name -> (values in llama.cpp's layout, whether to Q4_1-quantize it)."""
+def _tensors(model: LlamaForCausalLM, every: bool) -> dict[str, tuple[np.ndarray, object]]:
+    """GGUF name -> (values in llama.cpp's layout, the quantization type or None). every: like the real
+    SmolLM2 file, every layer product Q4_1 and the embedding Q8_0; else the FFN weights Q4_1 only."""
     cfg, sd = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    out = {"token_embd.weight": (sd["model.embed_tokens.weight"], False),
-           "output_norm.weight": (sd["model.norm.weight"], False)}
+    out = {"token_embd.weight": (sd["model.embed_tokens.weight"], Q8_0 if every else None),
+           "output_norm.weight": (sd["model.norm.weight"], None)}
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -49,7 +51,7 @@ def _tensors(model: LlamaForCausalLM) -> dict[str, tuple[np.ndarray, bool]]:
             w = sd[f"model.layers.{i}.{hf}.weight"]
             if gg in ("attn_q", "attn_k"):
                 w = _interleave_rope(w, cfg.num_attention_heads if gg == "attn_q" else cfg.num_key_value_heads)
-            out[f"blk.{i}.{gg}.weight"] = (w, gg in QUANTIZED)
+            out[f"blk.{i}.{gg}.weight"] = (w, Q4_1 if gg in (ALL_PRODUCTS if every else QUANTIZED) else None)
     return out
 
 
@@ -68,8 +70,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template(json.loads((SHELL / "tokenizer_config.json").read_text())["chat_template"])
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path) -> dict[str, np.ndarray]:
-    """-> what each HF tensor must come back as: its value, or its Q4_1 round trip."""
+def write_gguf(model: LlamaForCausalLM, path: Path, every: bool = False) -> dict[str, np.ndarray]:
+    """-> what each GGUF tensor must come back as: its value, or its quantization's round trip."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny llama")
@@ -85,11 +87,11 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> dict[str, np.ndarray]:
     writer.add_vocab_size(cfg.vocab_size)
     _add_tokenizer(writer)
     expected = {}
-    for name, (w, quantize) in _tensors(model).items():
-        if quantize:
-            q = gguf.quants.quantize(w, Q4_1)
-            writer.add_tensor(name, q, raw_dtype=Q4_1)
-            expected[name] = gguf.quants.dequantize(q, Q4_1)
+    for name, (w, kind) in _tensors(model, every).items():
+        if kind is not None:
+            q = gguf.quants.quantize(w, kind)
+            writer.add_tensor(name, q, raw_dtype=kind)
+            expected[name] = gguf.quants.dequantize(q, kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
             expected[name] = w

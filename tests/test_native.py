@@ -100,15 +100,15 @@ def test_native_forward_agrees_with_torch_and_rows_are_exact_in_any_step() -> No
 
 def test_auto_quantizes_real_checkpoints_on_this_cpu_and_keeps_the_toys_exact() -> None:
     """quantization="auto" (the default): the 3.5M-parameter toys stay fp32 (the exactness test bed;
-    their fp32 stack runs natively), the general specialist (135M) gets int8 where the native kernels
-    run, and with "none" keeps torch's fp32 path (oneDNN verifies faster than our fp32 kernel there)."""
+    their fp32 stack runs natively), the general specialist (135M) gets its GGUF's 4-bit blocks (q4)
+    where the native kernels run, and with "none" keeps torch's fp32 path (oneDNN verifies faster than our fp32 kernel there)."""
     toy = Engine.from_pretrained("deploy/models/shell", policy=SpeculationPolicy(mode="off"))
     assert toy.cfg.quantization == "none" and toy.quantized == 0
     assert (toy.runner.model.native is not None and toy.runner.model.native.fp32) == native.available()
     general = Engine.from_pretrained("deploy/models/general", policy=SpeculationPolicy(mode="off"))
-    want = "int8" if native.available() else "none"
-    assert general.cfg.quantization == want and (general.quantized > 0) == (want == "int8")
-    assert (general.runner.model.native is not None) == (want == "int8") and general.runner.row_exact == (want == "int8")
+    want = "q4" if native.available() else "none"  # its import keeps the GGUF's blocks
+    assert general.cfg.quantization == want and (general.quantized > 0) == (want == "q4")
+    assert (general.runner.model.native is not None) == (want == "q4") and general.runner.row_exact == (want == "q4")
     fp32 = Engine.from_pretrained("deploy/models/general", policy=SpeculationPolicy(mode="off"), quantization="none")
     assert fp32.cfg.quantization == "none" and fp32.quantized == 0 and fp32.runner.model.native is None
 

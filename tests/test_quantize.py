@@ -44,8 +44,10 @@ def test_int8_quantizes_every_product_and_refuses_hybrids() -> None:
     assert eng.runner.row_exact
     with pytest.raises(ValueError, match="attention-only"):
         Engine.from_pretrained("deploy/models/cpp", policy=SpeculationPolicy(mode="off"), quantization="int8")
+    with pytest.raises(ValueError, match="attention-only"):
+        Engine.from_pretrained("deploy/models/cpp", policy=SpeculationPolicy(mode="off"), quantization="q4")
     with pytest.raises(OptionsError, match="quantization"):
-        EngineOptions(quantization="q4").resolve()
+        EngineOptions(quantization="q3").resolve()
 
 
 def test_row_canonical_attention_agrees_with_batched_attention() -> None:

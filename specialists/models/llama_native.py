@@ -1,6 +1,7 @@
 """A Llama's forward as one native call per step (specialists/ops/native.py), on a CPU with AVX-512
-VNNI: over the int8 copies of `quantization="int8"`, or (fp32=True) over the checkpoint's fp32 weights
-(`quantization="none"`: the same products as a fixed-order fp32 sum per element).
+VNNI: over the int8 copies of `quantization="int8"`, the GGUF's own blocks of `quantization="q4"`
+(specialists/ggml_blocks.py), or (fp32=True) over the checkpoint's fp32 weights (`quantization="none"`:
+the same products as a fixed-order fp32 sum per element).
 
 `NativeLlama(model)` takes the int8 copies `quantize_int8` made of the model's products (one fp32
 scale per output row) and a table of every layer's pointers; `model.forward` hands it a step's batch
@@ -18,7 +19,7 @@ import torch
 
 from specialists.models.batch import ForwardBatch
 from specialists.ops import native
-from specialists.ops.linear import int8_of
+from specialists.ops.linear import BlockLinear, int8_of
 
 __all__ = ["NativeLlama", "supports"]
 
@@ -33,9 +34,18 @@ def supports(model: Any, fp32: bool = False) -> str | None:
     widest = max(max(l.attn.qkv.shape[1], l.attn.o_proj.shape[1], l.mlp.down_proj.shape[1]) for l in model.layers)
     if widest > native.MAX_K:
         return f"a product {widest} wide exceeds the kernel's {native.MAX_K}"
-    if not fp32 and any(int8_of(w) is None for l in model.layers for w in (l.attn.qkv, l.attn.o_proj, l.mlp.gate_up, l.mlp.down_proj)):
-        return "not every product is quantized"
+    if not fp32:
+        kinds = {type(int8_of(w)) for l in model.layers for w in (l.attn.qkv, l.attn.o_proj, l.mlp.gate_up, l.mlp.down_proj)}
+        if type(None) in kinds:
+            return "not every product is quantized"
+        if len(kinds) > 1:
+            return "the products mix int8 copies and GGML blocks"
     return None
+
+
+def _mode(model: Any, fp32: bool) -> int:
+    """The C side's MODE_*: 0 int8 copies, 1 fp32 weights, 2 GGML blocks."""
+    return 1 if fp32 else 2 if isinstance(int8_of(model.layers[0].attn.qkv), BlockLinear) else 0
 
 
 class NativeLlama:
@@ -44,6 +54,7 @@ class NativeLlama:
         if why:
             raise ValueError(why)
         self.fp32 = fp32
+        mode = _mode(model, fp32)
         self._f = native.Addresses()  # keeps every tensor a pointer in the table refers to
         rows = []  # per layer, in the order of the C side's P_* enum: norms, then (weight, scale, bias) x 4, KV
         for layer in model.layers:
@@ -52,6 +63,9 @@ class NativeLlama:
             for w, b in ((a.qkv, a.qkv_bias), (a.o_proj, a.o_bias), (m.gate_up, m.gate_up_bias), (m.down_proj, m.down_bias)):
                 if fp32:  # the weights as they are (no scale)
                     row += [self._f(w), 0, self._f(b)]
+                elif mode == 2:  # packed blocks, and their type where int8 has its scales
+                    q = int8_of(w)
+                    row += [self._f(q.packed), q.kind, self._f(b)]
                 else:
                     q = int8_of(w)
                     row += [self._f(q.w), self._f(q.scale32), self._f(b)]
@@ -61,7 +75,7 @@ class NativeLlama:
         cfg = model.config
         a = model.layers[0].attn
         self.dims = [0, cfg.hidden_size, len(model.layers), a.num_heads, a.num_kv_heads, a.head_dim,
-                     model.rope.rotary_dim, model.layers[0].mlp.down_proj.shape[1], 0, 0, 1, int(fp32)]
+                     model.rope.rotary_dim, model.layers[0].mlp.down_proj.shape[1], 0, 0, 1, mode]
         self.floats = torch.tensor([model.eps, a.head_dim ** -0.5], dtype=torch.float32)
         self._pool: tuple[int, ...] = ()
 

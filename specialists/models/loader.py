@@ -104,4 +104,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise FileNotFoundError(f"{weights} not found (only safetensors checkpoints are loaded)")
     sd = load_file(str(weights), device="cpu")
     logger.info("loading %s (%s, %d tensors) to %s %s", path, config.model_type, len(sd), device, dtype)
-    return model_from_state_dict(config, sd, device, dtype)
+    model = model_from_state_dict(config, sd, device, dtype)
+    model.checkpoint_dir = path  # where quantization="q4" finds the GGUF's blocks (specialists/ggml_blocks.py)
+    return model

@@ -35,7 +35,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "onednn_enabled", "proposal_linear", "quantize_int8", "int8_of"]
+__all__ = ["linear", "onednn_enabled", "proposal_linear", "quantize_int8", "quantize_blocks", "int8_of"]
 
 _HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
 _lock = threading.Lock()
@@ -127,6 +127,21 @@ class _Int8Linear:
         return out if low else out.float()
 
 
+class BlockLinear:
+    """A weight as a GGUF's own blocks (specialists/ggml_blocks.py: Q4_1 or Q8_0), packed for the native
+    kernel (ops/native.blinear: activations rounded to int8 per block of 32, exact block sums)."""
+
+    __slots__ = ("kind", "packed", "n")
+
+    def __init__(self, kind: int, packed: torch.Tensor, n: int) -> None:
+        self.kind, self.packed, self.n = kind, packed, n
+
+    def __call__(self, x: torch.Tensor, low: bool = False) -> torch.Tensor:
+        from specialists.ops import native
+
+        return native.blinear(x.float(), self.kind, self.packed, self.n)
+
+
 def _native_proposals() -> bool:
     if os.environ.get("CANTATA_NATIVE_DRAFTER", "1") == "0":
         return False
@@ -160,7 +175,15 @@ def quantize_int8(w: torch.Tensor, native: bool = False) -> bool:
     return True
 
 
-def int8_of(w: torch.Tensor) -> "_Int8Linear | None":
-    """The int8 copy quantize_int8 registered for w, or None."""
+def quantize_blocks(w: torch.Tensor, kind: int, packed: torch.Tensor) -> None:
+    """From now on `linear(x, w)` on the CPU reads `packed` (GGML blocks standing for w's values, laid
+    out by ggml_blocks.pack) through the native kernel."""
+    key = id(w)
+    with _lock:
+        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), BlockLinear(kind, packed, w.shape[0]))
+
+
+def int8_of(w: torch.Tensor) -> "_Int8Linear | BlockLinear | None":
+    """The quantized copy quantize_int8 (or quantize_blocks) registered for w, or None."""
     hit = _quantized.get(id(w))
     return hit[1] if hit is not None and hit[0]() is w else None

@@ -4,7 +4,7 @@ What they are for: weight-only int8 decoding on the CPU (the engine's `quantizat
 SmolLM2-135M a decode step through torch ops was ~10 ms: ~5 ms of int8 products that reached a third
 of the machine's read bandwidth, and ~5 ms of ~60 small ops per layer and the Python between them.
 `cantata_llama_forward` runs the whole stack of a Llama for a step's rows in one call,
-`cantata_qlinear` one product (the lm_head), `cantata_mtp_rebuild` / `cantata_mtp_chain` the MTP
+`cantata_qlinear` one product (the lm_head; `cantata_blinear` over GGML blocks), `cantata_mtp_rebuild` / `cantata_mtp_chain` the MTP
 drafter's rebuild and greedy chain (specialists/drafter_native.py).
 
 Built with the system C compiler (`CC`, else `cc`) for AVX-512 F/BW/VL/VNNI, into
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "why_unavailable", "library", "qlinear", "Addresses", "int64", "MAX_K"]
+__all__ = ["available", "why_unavailable", "library", "qlinear", "blinear", "Addresses", "int64", "MAX_K"]
 
 SOURCE = Path(__file__).with_name("native") / "cantata_cpu.c"
 # -ffp-contract=off: the compiler never fuses a scalar a * b + c into one rounding on its own (FMAs only
@@ -95,10 +95,11 @@ def _load() -> None:
         return
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.cantata_qlinear.argtypes = [p, i, i, p, p, p, i, p, p, p, p, i]
+    lib.cantata_blinear.argtypes = [p, i, i, i, p, p, i, p, p, p, p, i]
     lib.cantata_llama_forward.argtypes = [p] * 12
     lib.cantata_mtp_rebuild.argtypes = [p] * 11
     lib.cantata_mtp_chain.argtypes = [p] * 6 + [i, i, p, p]
-    for fn in (lib.cantata_qlinear, lib.cantata_llama_forward, lib.cantata_mtp_rebuild, lib.cantata_mtp_chain):
+    for fn in (lib.cantata_qlinear, lib.cantata_blinear, lib.cantata_llama_forward, lib.cantata_mtp_rebuild, lib.cantata_mtp_chain):
         fn.restype = i
     _state["lib"] = lib
 
@@ -158,4 +159,20 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.T
         xs = torch.empty(M, dtype=torch.float32)
         library().cantata_qlinear(x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(bias), N, out.data_ptr(),
                                   None, xq.data_ptr(), xs.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def blinear(x: torch.Tensor, kind: int, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ a weight of GGML blocks (specialists/ggml_blocks.pack; kind: its kernel type)
+    -> [M, n] fp32, x rounded to int8 per block of 32 (cantata_blinear); rows independent, bit for bit."""
+    x = x.contiguous()
+    M, K = x.shape
+    out = torch.empty(M, n, dtype=torch.float32)
+    if M:
+        xq = torch.empty(M, K, dtype=torch.int8)
+        sa, sb = torch.empty(2, M, K // 32, dtype=torch.float32)
+        rc = library().cantata_blinear(x.data_ptr(), M, K, kind, packed.data_ptr(), _ptr(bias), n, out.data_ptr(),
+                                       xq.data_ptr(), sa.data_ptr(), sb.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"cantata_blinear: K {K} is not a multiple of 32 or block type {kind} is unknown")
     return out

@@ -1,9 +1,10 @@
-/* Cantata's CPU kernels for weight-only int8 decoding (AVX-512 F/BW/VNNI; built and loaded by
+/* Cantata's CPU kernels for weight-only quantized decoding (AVX-512 F/BW/VNNI; built and loaded by
  * specialists/ops/native.py, which checks the CPU first).
  *
  * Products: int8 weights with one fp32 scale per output row, times activations quantized per row to
  * int16 (one fp32 scale per row, |q| <= 8191), accumulated exactly in int32 (vpdpwssd), scaled once
- * in fp32. Every row of a call is computed by the same instructions in the same order whatever the
+ * in fp32; or a GGUF's own Q4_1 / Q8_0 blocks times activations rounded to int8 per block of 32
+ * (vpdpbusd, see "GGML block weights" below); or fp32 weights. Every row of a call is computed by the same instructions in the same order whatever the
  * number of rows or threads: a row's result depends on nothing else in the call (what speculation's
  * exactness needs: a verify row equals the decode of its position, bit for bit).
  *
@@ -184,6 +185,142 @@ int cantata_qlinear(const float* x, int M, int K, const int8_t* W, const float* 
     return 0;
 }
 
+/* ---- GGML block weights (`quantization="q4"`: the imported GGUF's own 4-bit values). A product's
+ * weight is packed by specialists/ggml_blocks.py in groups of 16 output rows; per group and per block
+ * of 32 inputs: Q4_1 (type 1): 4 x 64 bytes of nibbles (lane r of vector j: byte i low nibble = row r's
+ * input 8j + i, high nibble = input 8j + 4 + i), then the 16 rows' d and m (fp16): value d q + m.
+ * Q8_0 (type 2): 8 x 64 bytes of int8 (lane r of vector j: row r's inputs 4j..4j+3), the rows' d
+ * (fp16) and c = -128 d sum(q) (fp32, exact). Activations are rounded per block of 32 to int8 (scale
+ * amax / 127, as llama.cpp's Q8_1), then vpdpbusd sums a block exactly in int32 and the block's
+ * result joins an fp32 sum in block order: Q4_1 d sa sum(q a) + m sa sum(a); Q8_0 (activations
+ * offset to unsigned, a + 128) d sa sum(q (a + 128)) + c sa. Row-invariant like the int8 products. ---- */
+
+#define QB 32
+enum { BT_Q4_1 = 1, BT_Q8_0 = 2 };
+
+static inline size_t block_bytes(int type) { return type == BT_Q4_1 ? 320 : 608; }
+
+/* one row of K floats -> int8 per block of 32 (unsigned a + 128 for Q8_0), the blocks' scales sa and
+ * the second term's factor sb (Q4_1: sa sum(a); Q8_0: sa) */
+static void quant_blocks_row(const float* x, int K, int type, int8_t* q, float* sa, float* sb) {
+    for (int b = 0; b < K / QB; b++) {
+        const float* xb = x + (size_t)b * QB;
+        __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float s = a > 0.f ? a / 127.0f : 0.f;
+        __m512 inv = _mm512_set1_ps(a > 0.f ? 127.0f / a : 0.f);
+        __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        if (type == BT_Q8_0) {
+            i0 = _mm512_add_epi32(i0, _mm512_set1_epi32(128));
+            i1 = _mm512_add_epi32(i1, _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i*)(q + (size_t)b * QB), _mm512_cvtusepi32_epi8(i0));
+            _mm_storeu_si128((__m128i*)(q + (size_t)b * QB + 16), _mm512_cvtusepi32_epi8(i1));
+        } else {
+            _mm_storeu_si128((__m128i*)(q + (size_t)b * QB), _mm512_cvtsepi32_epi8(i0));
+            _mm_storeu_si128((__m128i*)(q + (size_t)b * QB + 16), _mm512_cvtsepi32_epi8(i1));
+        }
+        sa[b] = s;
+        sb[b] = type == BT_Q8_0 ? s : s * (float)sum;
+    }
+}
+
+typedef struct {
+    const int8_t* xq;
+    const float *sa, *sb, *bias, *res;
+    const uint8_t* W;
+    float* out;
+    int M, K, N, ldo, nt, type;
+} bgemm_t;
+
+#define BCAST(p) _mm512_set1_epi32(*(const int32_t*)(p))
+
+/* 16 output rows (group g) for MM <= 4 activation rows m0.. -> acc[r] (lane = output row) */
+static inline __attribute__((always_inline)) void bgroup(const bgemm_t* g, int grp, int m0, const int MM, __m512* acc) {
+    int nb = g->K / QB;
+    size_t bb = block_bytes(g->type), K = (size_t)g->K;
+    const uint8_t* wg = g->W + (size_t)grp * nb * bb;
+    for (int r = 0; r < MM; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* blk = wg + (size_t)b * bb;
+        __m512i id[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512 dv, mv;
+        if (g->type == BT_Q4_1) {
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512(blk + 64 * j);
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int r = 0; r < MM; r++) {
+                    const int8_t* xa = g->xq + (size_t)(m0 + r) * K + (size_t)b * QB + 8 * j;
+                    id[r] = _mm512_dpbusd_epi32(id[r], lo, BCAST(xa));
+                    id[r] = _mm512_dpbusd_epi32(id[r], hi, BCAST(xa + 4));
+                }
+            }
+            dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 256)));
+            mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 288)));
+        } else {
+            for (int j = 0; j < 8; j++) {
+                __m512i v = _mm512_loadu_si512(blk + 64 * j);
+                for (int r = 0; r < MM; r++)
+                    id[r] = _mm512_dpbusd_epi32(id[r], BCAST(g->xq + (size_t)(m0 + r) * K + (size_t)b * QB + 4 * j), v);
+            }
+            dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 512)));
+            mv = _mm512_loadu_ps(blk + 544);
+        }
+        for (int r = 0; r < MM; r++) {
+            size_t at = (size_t)(m0 + r) * nb + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(id[r]), _mm512_mul_ps(dv, _mm512_set1_ps(g->sa[at])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(g->sb[at]), acc[r]);
+        }
+    }
+}
+
+static void bgemm(const bgemm_t* g) {
+    int groups = (g->N + 15) / 16;
+    #pragma omp parallel num_threads(g->nt)
+    {
+        int nthr = omp_get_num_threads(), tid = omp_get_thread_num();
+        int lo = (int)((int64_t)groups * tid / nthr), hi = (int)((int64_t)groups * (tid + 1) / nthr);
+        __m512 acc[4];
+        for (int t0 = 0; t0 < g->M; t0 += MTILE) {
+            int t1 = g->M - t0 < MTILE ? g->M : t0 + MTILE;
+            for (int grp = lo; grp < hi; grp++)
+                for (int m0 = t0; m0 < t1; m0 += 4) {
+                    int mm = t1 - m0 < 4 ? t1 - m0 : 4;
+                    if (mm == 4) bgroup(g, grp, m0, 4, acc);
+                    else for (int j = 0; j < mm; j++) bgroup(g, grp, m0 + j, 1, acc + j);
+                    int n0 = grp * 16;
+                    __mmask16 k = tail_mask(g->N - n0);
+                    __m512 bias = g->bias ? _mm512_maskz_loadu_ps(k, g->bias + n0) : _mm512_setzero_ps();
+                    for (int j = 0; j < mm; j++) {
+                        float* o = g->out + (size_t)(m0 + j) * g->ldo + n0;
+                        __m512 x = _mm512_add_ps(acc[j], bias);
+                        if (g->res) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(k, g->res + (size_t)(m0 + j) * g->ldo + n0));
+                        _mm512_mask_storeu_ps(o, k, x);
+                    }
+                }
+        }
+    }
+}
+
+/* x [M, K] fp32 rounded per block (scratch xq [M, K], sa / sb [M, K / 32]), times packed W -> out */
+static void blinear(const float* x, int M, int K, int type, const uint8_t* W, const float* bias, int N, float* out,
+                    int ldo, const float* res, int8_t* xq, float* sa, float* sb, int nt) {
+    int nb = K / QB;
+    for (int m = 0; m < M; m++)
+        quant_blocks_row(x + (size_t)m * K, K, type, xq + (size_t)m * K, sa + (size_t)m * nb, sb + (size_t)m * nb);
+    bgemm_t g = {xq, sa, sb, bias, res, W, out, M, K, N, ldo, nt, type};
+    bgemm(&g);
+}
+
+/* the entry point for single products (the lm_head): K a multiple of 32 */
+int cantata_blinear(const float* x, int M, int K, int type, const uint8_t* W, const float* bias, int N, float* out,
+                    int8_t* xq, float* sa, float* sb, int nt) {
+    if (K % QB || (type != BT_Q4_1 && type != BT_Q8_0)) return -1;
+    blinear(x, M, K, type, W, bias, N, out, N, NULL, xq, sa, sb, nt);
+    return 0;
+}
+
 static void rms_norm_row(const float* x, const float* w, int d, float eps, float* y) {
     __m512 ss = _mm512_setzero_ps();
     for (int k = 0; k < d; k += 16) {
@@ -347,17 +484,30 @@ static void quant_rows(const float* x, int T, int K, int16_t* xq, float* xs) {
     for (int t = 0; t < T; t++) xs[t] = quant_row(x + (size_t)t * K, K, xq + (size_t)t * K);
 }
 
+/* Scratch of a step's products: int16 rows (int8 weights) or int8 block rows (GGML blocks). */
+typedef struct {
+    int16_t* xq;
+    float* xs;
+    int8_t* bq;
+    float *sa, *sb;
+} scratch_t;
+
+enum { MODE_INT8, MODE_FP32, MODE_BLOCKS };
+
 /* One product of the stack over fp32 rows x [T, K] -> out [T, N] (+ res): fp32 weights as they are,
- * or int8 weights with the rows rounded to int16 first. p + iw: weight, scale, bias pointers. */
-static void product(int fp32, const float* x, int T, int K, const int64_t* p, int iw, int N, float* out,
-                    const float* res, int16_t* xq, float* xs, int nt) {
+ * int8 weights with the rows rounded to int16 first, or GGML blocks (the block type where int8 keeps
+ * its scales) with the rows rounded per block. p + iw: weight, scale (block type), bias pointers. */
+static void product(int mode, const float* x, int T, int K, const int64_t* p, int iw, int N, float* out,
+                    const float* res, scratch_t* s, int nt) {
     const float* bias = (const float*)(intptr_t)p[iw + 2];
-    if (fp32) {
+    if (mode == MODE_FP32) {
         fgemm(x, T, K, (const float*)(intptr_t)p[iw], bias, N, out, N, res, nt);
-        return;
+    } else if (mode == MODE_BLOCKS) {
+        blinear(x, T, K, (int)p[iw + 1], (const uint8_t*)(intptr_t)p[iw], bias, N, out, N, res, s->bq, s->sa, s->sb, nt);
+    } else {
+        quant_rows(x, T, K, s->xq, s->xs);
+        qgemm(s->xq, s->xs, T, K, (const int8_t*)(intptr_t)p[iw], (const float*)(intptr_t)p[iw + 1], bias, N, out, N, res, nt);
     }
-    quant_rows(x, T, K, xq, xs);
-    qgemm(xq, xs, T, K, (const int8_t*)(intptr_t)p[iw], (const float*)(intptr_t)p[iw + 1], bias, N, out, N, res, nt);
 }
 
 /* The whole stack: h [T, d] (the embeddings) is the residual stream, updated in place; out [T, d]
@@ -367,7 +517,7 @@ int cantata_llama_forward(const int32_t* ints, const float* floats, float* h, fl
                           const float* cosv, const float* sinv, const int64_t* layers) {
     dims_t z = {ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7], ints[8], ints[9], ints[10],
                 floats[0], floats[1]};
-    int T = z.T, d = z.d, qw = (z.Hq + 2 * z.Hkv) * z.D, ad = z.Hq * z.D, f32 = ints[11];
+    int T = z.T, d = z.d, qw = (z.Hq + 2 * z.Hkv) * z.D, ad = z.Hq * z.D, mode = ints[11];
     int wide = d > ad ? d : ad;
     if (z.I > wide) wide = z.I;
     int maxctx = 0;
@@ -377,27 +527,29 @@ int cantata_llama_forward(const int32_t* ints, const float* floats, float* h, fl
     float* att = (float*)malloc(sizeof(float) * (size_t)T * ad);
     float* gu = (float*)malloc(sizeof(float) * (size_t)T * 2 * z.I);
     float* act = (float*)malloc(sizeof(float) * (size_t)T * z.I);
-    int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)T * wide);
-    float* xs = (float*)malloc(sizeof(float) * (size_t)T);
+    scratch_t s = {(int16_t*)malloc(sizeof(int16_t) * (size_t)T * wide), (float*)malloc(sizeof(float) * (size_t)T),
+                   (int8_t*)malloc((size_t)T * wide), (float*)malloc(sizeof(float) * ((size_t)T * wide / QB + 1)),
+                   (float*)malloc(sizeof(float) * ((size_t)T * wide / QB + 1))};
     int64_t* npool = (int64_t*)malloc(sizeof(int64_t) * (size_t)T);
-    if (!x || !qkv || !att || !gu || !act || !xq || !xs || !npool) return -1;
+    if (!x || !qkv || !att || !gu || !act || !s.xq || !s.xs || !s.bq || !s.sa || !s.sb || !npool) return -1;
     for (int t = 0; t < T; t++) npool[t] = pos[t] + 1;  /* a row sees its sequence's keys [0, position] */
     for (int l = 0; l < z.L; l++) {
         const int64_t* p = layers + (size_t)l * P_COUNT;
         #define PTR(type, i) ((type*)(intptr_t)p[i])
         for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, PTR(const float, P_IN_NORM), d, z.eps, x + (size_t)t * d);
-        product(f32, x, T, d, p, P_QKV_W, qw, qkv, NULL, xq, xs, z.nt);
+        product(mode, x, T, d, p, P_QKV_W, qw, qkv, NULL, &s, z.nt);
         rope_write(&z, qkv, cosv, sinv, slot, PTR(float, P_KC), PTR(float, P_VC));
         attention_layer(&z, qkv, PTR(float, P_KC), PTR(float, P_VC), npool, rowseq, tables, NULL, NULL, 0, 0, att, maxctx);
-        product(f32, att, T, ad, p, P_O_W, d, h, h, xq, xs, z.nt);
+        product(mode, att, T, ad, p, P_O_W, d, h, h, &s, z.nt);
         for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, PTR(const float, P_POST_NORM), d, z.eps, x + (size_t)t * d);
-        product(f32, x, T, d, p, P_GU_W, 2 * z.I, gu, NULL, xq, xs, z.nt);
+        product(mode, x, T, d, p, P_GU_W, 2 * z.I, gu, NULL, &s, z.nt);
         for (int t = 0; t < T; t++) swiglu_row(gu + (size_t)t * 2 * z.I, z.I, act + (size_t)t * z.I);
-        product(f32, act, T, z.I, p, P_DN_W, d, h, h, xq, xs, z.nt);
+        product(mode, act, T, z.I, p, P_DN_W, d, h, h, &s, z.nt);
         #undef PTR
     }
     for (int t = 0; t < T; t++) rms_norm_row(h + (size_t)t * d, final_norm, d, z.eps, out + (size_t)t * d);
-    free(x); free(qkv); free(att); free(gu); free(act); free(xq); free(xs); free(npool);
+    free(x); free(qkv); free(att); free(gu); free(act); free(s.xq); free(s.xs); free(s.bq); free(s.sa); free(s.sb);
+    free(npool);
     return 0;
 }
 
