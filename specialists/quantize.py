@@ -15,7 +15,8 @@ engine attends every row alone (ForwardBatch.row_exact), exactly as the decode o
 bf16 activations turn a last-bit difference (padded or multi-query attention) into another token.
 "q4": the checkpoint's products as the GGUF it was imported from has them (Q4_1 layers, a Q8_0 head:
 specialists/ggml_blocks.py), so our tokens come from the model llama.cpp runs, not from a second
-rounding of it; a head of another type gets an int8 copy. Native kernels only (activations rounded
+rounding of it; a head of another type gets an int8 copy. The embedding lookup takes the file's
+values too (exact in fp32; a bf16 checkpoint had rounded them). Native kernels only (activations rounded
 to int8 per block of 32, as llama.cpp does, exact block sums): 0.69 bytes a weight against int8's 1.
 Attention-only (Llama / Qwen2) models only: a hybrid's Mamba layers are refused.
 """
@@ -132,7 +133,12 @@ def _quantize_q4(model: Any) -> int:
                 if hasattr(owner, attr):
                     n += _register(getattr(owner, attr), [blocks[f"{pre}{name}.weight"] for name in names])
     tied = getattr(model.config, "tie_word_embeddings", True)
-    head = blocks.get("lm_head.weight") or (blocks.get("model.embed_tokens.weight") if tied else None)
+    emb = blocks.get("model.embed_tokens.weight")
+    if emb is not None:  # the lookup reads the file's values too (a bf16 checkpoint rounded them)
+        values = torch.from_numpy(ggml_blocks.dequantize(emb[0], emb[1].numpy()))
+        if values.shape == model.embed.shape:
+            model.embed = values
+    head = blocks.get("lm_head.weight") or (emb if tied else None)
     n += _register(model.lm_head, [head]) if head is not None else quantize_int8(model.lm_head, native=True)
     _attach_native(model, fp32=False)
     return n
