@@ -133,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=["on", "auto"], default="on",
                         help="the speculative engine's mode: on (always draft) or auto (the gate decides per step, "
                              "as a served specialist's default policy does)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="time every batch this many times, plain and speculative alternately (outputs from the "
+                             "first; later rounds take the prompts from the prefix cache): less noise on short runs, "
+                             "and the auto gate's judgement carried from round to round as in a running server")
     parser.add_argument("--k-choices", default=None, help="with --policy auto: other K values the gate may pick "
                         "per batch-size bucket, e.g. 1,5 (auto.k_choices)")
     parser.add_argument("--chat", action="store_true",
@@ -254,20 +258,28 @@ def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> Non
     _sync(sides.device)
 
 
-def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | None) -> tuple[list, list, float, float]:
-    """The engine's outputs and time, and the speculative engine's ([] and 0.0 without one)."""
+def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | None,
+                   repeat: int = 1) -> tuple[list, list, float, float]:
+    """The engine's outputs and time, and the speculative engine's ([] and 0.0 without one); with
+    repeat, the mean time of a round."""
     if sides.spec_engine is None:
         ours, t_engine = timed(sides.run_engine, batches, sides.device, "engine")
         return ours, [], t_engine, 0.0
     ours, spec, t_engine, t_spec = [], [], 0.0, 0.0  # side by side, batch after batch: noise hits both alike
     for batch in tqdm(batches, desc=f"engine / speculative K={spec_k}", unit="batch", file=sys.stderr):
-        out, dt = timed(sides.run_engine, [batch], sides.device, "", quiet=True)
-        ours.extend(out)
-        t_engine += dt
-        out, dt = timed(sides.run_spec, [batch], sides.device, "", quiet=True)
-        spec.extend(out)
-        t_spec += dt
-    return ours, spec, t_engine, t_spec
+        first = None
+        for _ in range(repeat):
+            plain, dt = timed(sides.run_engine, [batch], sides.device, "", quiet=True)
+            t_engine += dt
+            out, dt = timed(sides.run_spec, [batch], sides.device, "", quiet=True)
+            t_spec += dt
+            if first is None:
+                first = (plain, out)
+                ours.extend(plain)
+                spec.extend(out)
+            elif (plain, out) != first:  # a later round must give the first round's tokens
+                sides.repeat_differs = True
+    return ours, spec, t_engine / repeat, t_spec / repeat
 
 
 def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namespace,
@@ -275,7 +287,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     """The result line's figures; also the engine's and transformers' seconds and the prefix hits."""
     hits_before = sides.engine.stats.get("prefix_hit_tokens", 0)
     spec_hits_before = sides.spec_engine.stats.get("prefix_hit_tokens", 0) if sides.spec_engine is not None else 0
-    ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k)
+    ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k, args.repeat)
     lens = iter(len(o) for o in ours)  # the longest output of each batch: the decode steps one sequence waited
     args.token_steps = sum(max(next(lens) for _ in batch) for batch in batches)
     prefix_hits = sides.engine.stats.get("prefix_hit_tokens", 0) - hits_before
@@ -333,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n, "chat": args.chat,
+                          **({"repeat": args.repeat, "repeat_identical": not getattr(sides, "repeat_differs", False)}
+                             if args.repeat > 1 else {}),
                           "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
                           "prefix_hit_tokens": prefix_hits, "checkpoint": ident,
                           "device_name": device_name(args.device), "commit": git_commit()})

@@ -11,7 +11,10 @@ With ``auto.min_speedup`` > 0 the gate also judges time: the engine reports ever
 and emitted tokens (``observe_time``); speculative steps feed a rolling seconds-per-token figure, plain
 steps (in fallback) another, both per batch-size bucket. Once the acceptance window is full, no plain
 figure for the current bucket -> "fallback" ("baseline", to measure one); plain / speculative below
-min_speedup -> "fallback" ("slow").
+min_speedup -> "fallback" ("slow") for that bucket only: the verdict is kept per bucket for
+``cooldown_s`` (doubled each time a re-probe of the bucket finds it slow again, up to 8x), so a batch
+that moves to a bucket where speculation pays speculates at once, and one that comes back to a slow
+bucket falls back at once, without measuring again. A re-probe judges the bucket on fresh figures.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ class SpeculationGate:
         self._plain_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> plain seconds per token
         self._k_spt: dict[tuple[int, int], SecondsPerToken] = {}  # (bucket, K) -> speculative seconds per token
         self._k_steps: dict[int, int] = {}  # bucket -> steps that asked k_for
+        self._slow: dict[int, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
+        self._reprobe: dict[int, float] = {}  # bucket -> the cooldown of its expired slow verdict
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -147,14 +152,32 @@ class SpeculationGate:
             if self._policy.mode != "auto":
                 return self._status
             gating = self._policy.auto
+            slow = self._bucket_slow(_bucket(running_batch))
             if self._status == "fallback":
-                if not self._fallback_over(gating, running_batch):
+                if self._reason == "slow" and slow:
+                    return "fallback"
+                if self._reason != "slow" and not self._fallback_over(gating, running_batch):
                     return "fallback"
                 self._window = RollingAcceptance(gating.window)
                 self._enter("on", "probe")
             if running_batch > gating.max_running_batch:
                 self._fall_back("large_batch")
+            elif slow and self._status == "on":  # back in a bucket judged slow: no need to measure again
+                self._enter("fallback", "slow")
             return self._status
+
+    def _bucket_slow(self, b: int) -> bool:  # under the lock
+        """Whether bucket b's slow verdict holds now; an expired one is dropped with the bucket's
+        speculative figures (the re-probe judges fresh ones) and remembered for the backoff."""
+        entry = self._slow.get(b)
+        if entry is None:
+            return False
+        if self._clock() < entry[0]:
+            return True
+        del self._slow[b]
+        self._reprobe[b] = entry[1]
+        self._spec_spt.pop(b, None)
+        return False
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Counts of one speculative step, summed over its sequences (after trigger truncation)."""
@@ -214,7 +237,12 @@ class SpeculationGate:
                 return
             speedup = self._speedup(b)
             if speedup is not None and speedup < gating.min_speedup:
+                last = self._reprobe.pop(b, None)  # slow again after a re-probe: wait twice as long
+                cooldown = gating.cooldown_s if last is None else min(8 * gating.cooldown_s, 2 * last)
+                self._slow[b] = (self._clock() + cooldown, cooldown)
                 self._fall_back("slow")
+            elif speedup is not None:
+                self._reprobe.pop(b, None)
 
     def speedup(self, batch: int = 1) -> float | None:
         """Plain over speculative seconds per token at this batch size's bucket (None until both)."""
@@ -265,13 +293,14 @@ class SpeculationGate:
                 "num_speculative_tokens": p.num_speculative_tokens,
                 "acceptance": p.acceptance,
                 "measured_speedup": {b: round(v, 3) for b in self._spec_spt if (v := self._speedup(b)) is not None},
+                "slow_buckets": {b: round(max(0.0, until - now), 3) for b, (until, _) in sorted(self._slow.items())},
                 "seconds_per_token_by_k": {f"{b}:{k}": round(v, 6) for (b, k), s in sorted(self._k_spt.items())
                                            if (v := s.value) is not None},
             }
 
     def _fallback_over(self, gating: Any, running_batch: int) -> bool:  # under the lock
         """A baseline fallback ends once baseline_steps plain steps of this batch's bucket were timed;
-        any other after cooldown_s."""
+        any other (but "slow", kept per bucket) after cooldown_s."""
         if self._reason == "baseline":
             plain = self._plain_spt.get(_bucket(running_batch))
             return plain is not None and plain.count >= gating.baseline_steps

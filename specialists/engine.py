@@ -221,13 +221,13 @@ class Engine:
         """One engine step: gate, schedule, draft, verify, accept, cut at triggers, commit, emit."""
         sched = self.scheduler
         t_step = time.perf_counter()
-        status = self.gate.decide(len(sched.running)) if self.drafter is not None else "off"
+        batch = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the step's, prefills admitted
+        status = self.gate.decide(batch) if self.drafter is not None else "off"
         policy = self.gate.policy
-        # a fallback step is a plain step (no drafter rebuild: stale entries only worsen later drafts), except
-        # during a short baseline, after which the gate resumes speculating with the drafter up to date
+        # a fallback step is a plain step (no drafter rebuild), but in a short baseline (speculation resumes after)
         rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or self.gate.reason == "baseline")
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
-        k = self.gate.k_for(len(sched.running)) if status == "on" else 0
+        k = self.gate.k_for(batch) if status == "on" else 0
         self._plan_drafts(k, multi)
         step = sched.schedule()
         if step.empty:
