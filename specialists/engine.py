@@ -224,8 +224,8 @@ class Engine:
         batch = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the step's, prefills admitted
         status = self.gate.decide(batch) if self.drafter is not None else "off"
         policy = self.gate.policy
-        # a fallback step is a plain step (no drafter rebuild), but in a short baseline (speculation resumes after)
-        rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or self.gate.reason == "baseline")
+        # a fallback step is a plain step (no drafter rebuild, multi-step), a baseline's too: it measures plain decoding
+        rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         k = self.gate.k_for(batch) if status == "on" else 0
         self._plan_drafts(k, multi)
