@@ -253,6 +253,7 @@ def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> Non
             sides.run_spec(warm, warm_n)
     if sides.spec_engine is not None:
         sides.spec_engine.totals = type(sides.spec_engine.totals)()  # count the timed run only
+        sides.spec_engine.set_policy(sides.spec_engine.gate.policy)  # the gate judges afresh, as after Engine.warmup
     if not skip_hf:
         sides.run_hf([p[::-1] for p in batches[0]], warm_n)
     _sync(sides.device)

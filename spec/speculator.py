@@ -203,11 +203,13 @@ class Speculator:
         step's chain on the device behind the copy."""
         if plan.multi > 1:  # runs of `multi` tokens; the fed ones (all but the last) are what commit keeps
             return StepOutput(*unpack(accepted.packed.tolist(), [plan.multi - 1] * len(plan.rows), plan.multi - 1))
-        static = forward.static
+        static, rebuild_s = forward.static, 0.0
         if self._rebuild_in_graph(plan):
             self._draft_out = static.draft_out
         elif plan.rebuild and self.drafter is not None:
+            t0 = time.perf_counter()
             self._rebuild(plan, forward, accepted.tokens)
+            rebuild_s = time.perf_counter() - t0
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
             wait = self._host_copy(accepted.packed)
@@ -222,7 +224,7 @@ class Speculator:
         if ahead:  # valid next step if every run is committed whole and the same sequences decode
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
                                      [c + len(run) for c, run in zip(plan.static.committed, runs)], plan.k, drafts_next)
-        return StepOutput(runs, drafts)
+        return StepOutput(runs, drafts, rebuild_s=rebuild_s)
 
     # ---- the parts -----------------------------------------------------------------------------
 

@@ -109,3 +109,4 @@ class StepOutput:
     draft_s: float = 0.0
     verify_s: float = 0.0
     mask_s: float = 0.0  # host time on grammar masks (filling, the drafter's reads, applying)
+    rebuild_s: float = 0.0  # host time of the drafter's rebuild outside a graph (in verify_s too)

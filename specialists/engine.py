@@ -224,8 +224,9 @@ class Engine:
         batch = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the step's, prefills admitted
         status = self.gate.decide(batch) if self.drafter is not None else "off"
         policy = self.gate.policy
-        # a fallback step is a plain step (no drafter rebuild, multi-step), a baseline's too: it measures plain decoding
-        rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"
+        # a fallback step is plain (no drafter rebuild); a baseline's rebuilds but without multi-step graphs (its time left out)
+        baseline = status == "fallback" and self.gate.reason == "baseline" and not self.runner.static
+        rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or baseline)
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         k = self.gate.k_for(batch) if status == "on" else 0
         self._plan_drafts(k, multi)
@@ -242,7 +243,6 @@ class Engine:
         if self.snapshots is not None:  # a hybrid's prefills keep their states at block boundaries
             self.snapshots.plan(step.prefills)
         rows, out = self.speculator.execute(step.prefills, step.decodes, policy.acceptance, typical, rebuild)
-
         t0 = time.perf_counter()
         kept, events = self._cut_runs(rows, out, status)
         for i in commit_grammars(rows, out.runs, kept, out.mask_s, self.totals):  # a grammar with no way on
@@ -260,9 +260,9 @@ class Engine:
                 self.speculator.forget(row.seq.seq_id)
         drafted = any(row.k for row in rows)
         if status != "off" and step.decodes and not step.prefills and (status != "on" or drafted):
-            # decode-only steps: time per emitted token (an "on" step where no row drafted, catching the
-            # drafter up after a fallback, is neither a speculative nor a plain figure)
-            self.gate.observe_time(status, len(rows), time.perf_counter() - t_step, sum(kept), max(r.k for r in rows))
+            # decode-only steps' time per token (an "on" step with no drafts, catching up, is neither figure)
+            seconds = time.perf_counter() - t_step - (out.rebuild_s if status == "fallback" else 0.0)
+            self.gate.observe_time(status, len(rows), seconds, sum(kept), max(r.k for r in rows))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         if self.cfg.check_invariants:
             self._check_invariants()

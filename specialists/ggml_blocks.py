@@ -17,14 +17,17 @@ scales. `dequantize` gives the values the blocks stand for (tests, the import's 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["FILE", "TYPES", "extract", "write", "read", "pack", "dequantize"]
+__all__ = ["FILE", "TYPES", "extract", "write", "write_for_import", "add_to_import", "read", "pack", "dequantize"]
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +173,38 @@ def fuse(parts: list[tuple[str, Any]]) -> tuple[str, np.ndarray]:
     if len(kinds) != 1:
         raise ValueError(f"a fused product mixes block types {sorted(kinds)}")
     return kinds.pop(), np.concatenate([np.asarray(b) for _, b in parts])
+
+
+def write_for_import(gguf: Path, dest: Path) -> bool:
+    """The import's step: dest/FILE from the GGUF where it qualifies (write), checked against dest's
+    saved weights -> whether it was written."""
+    from safetensors.torch import load_file
+
+    wrote = write(gguf, dest, load_file(str(dest / "model.safetensors")))
+    log.info("%s: %s", gguf.name, f"kept its blocks in {FILE}" if wrote else "no GGML blocks kept (q4 unavailable)")
+    return wrote
+
+
+def add_to_import(out: Path, manifest_name: str, find_gguf: Callable[[], Any]) -> None:
+    """An import made before GGML blocks were kept gets them now, from its cached GGUF (find_gguf: the
+    checked source, or None), and its manifest lists them; nothing when the manifest already decided
+    (at the import, or an earlier upgrade) or the GGUF is no longer cached."""
+    from specialists.gguf_import import sha256_file
+
+    manifest_path = out / manifest_name
+    manifest = json.loads(manifest_path.read_text())
+    if "ggml_blocks" in manifest:
+        return
+    hit = find_gguf()
+    if hit is None:
+        log.info("%s: the GGUF is no longer cached: no GGML blocks (q4 unavailable; --force re-imports)", out)
+        return
+    wrote = write_for_import(hit.path, out)
+    if wrote:
+        path = out / FILE
+        path.chmod(0o644)
+        manifest["files"][FILE] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest["ggml_blocks"] = wrote
+    tmp = manifest_path.with_name(manifest_name + ".part")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, manifest_path)

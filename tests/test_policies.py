@@ -362,29 +362,6 @@ def test_time_gate_compares_like_batch_sizes() -> None:
         gate.observe_time("on", 1, -1.0, 1)
 
 
-def test_slow_verdicts_are_kept_per_bucket_with_a_backoff() -> None:
-    """Batch 8 loses (0.6 s a step for 3 tokens against 0.1 s a token), batch 1 wins (0.25 s): a
-    batch that drops to 1 speculates at once, one that comes back to 8 falls back at once, without
-    measuring again; a re-probe of bucket 8 after the cooldown judges fresh figures and, slow again,
-    keeps the bucket in fallback twice as long."""
-    clock = Clock()
-    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16,
-                                       cooldown_s=10.0, baseline_steps=4), clock)
-    for batch, spec_s in ((1, 0.25), (8, 0.6)):  # each bucket: window, baseline, probe, verdict
-        timed_steps(gate, 20, spec_s=spec_s, plain_s=0.1, batch=batch)
-    assert gate.status == "fallback" and gate.snapshot()["reason"] == "slow"
-    assert gate.snapshot()["slow_buckets"] == {8: 10.0}
-    assert timed_steps(gate, 3, spec_s=0.25, plain_s=0.1, batch=1) == ["on"] * 3  # no cooldown to wait for
-    assert timed_steps(gate, 2, spec_s=0.6, plain_s=0.1, batch=8) == ["fallback"] * 2  # known slow
-    clock.now += 10.5
-    seen = timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8)
-    assert seen[0] == "on" and seen[-1] == "fallback"  # re-probed, judged slow again on its own figures
-    assert gate.snapshot()["slow_buckets"] == {8: 20.0}
-    clock.now += 15
-    assert gate.decide(8) == "fallback"  # still inside the doubled cooldown
-    assert gate.decide(1) == "on"
-
-
 def test_auto_picks_k_per_batch_bucket_by_measured_time() -> None:
     """auto.k_choices: each K is tried probe_steps steps per bucket, then the fastest is used, the
     others probed now and then; buckets are judged apart (batch 1 prefers K=3, batch 8 K=1 here)."""

@@ -1,0 +1,43 @@
+"""The auto gate's time judgement per batch-size bucket (policies/gate.py): slow verdicts kept per
+bucket, with a backoff on re-probes."""
+
+from __future__ import annotations
+
+from policies.gate import SpeculationGate
+from test_policies import Clock, auto_policy, timed_steps
+
+
+def test_slow_verdicts_are_kept_per_bucket_with_a_backoff() -> None:
+    """Batch 8 loses (0.6 s a step for 3 tokens against 0.1 s a token), batch 1 wins (0.25 s): a
+    batch that drops to 1 speculates at once, one that comes back to 8 falls back at once, without
+    measuring again; a re-probe of bucket 8 after the cooldown judges fresh figures and, slow again,
+    keeps the bucket in fallback twice as long."""
+    clock = Clock()
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16,
+                                       cooldown_s=10.0, baseline_steps=4), clock)
+    for batch, spec_s in ((1, 0.25), (8, 0.6)):  # each bucket: window, baseline, probe, verdict
+        timed_steps(gate, 20, spec_s=spec_s, plain_s=0.1, batch=batch)
+    assert gate.status == "fallback" and gate.snapshot()["reason"] == "slow"
+    assert gate.snapshot()["slow_buckets"] == {8: 10.0}
+    assert timed_steps(gate, 3, spec_s=0.25, plain_s=0.1, batch=1) == ["on"] * 3  # no cooldown to wait for
+    assert timed_steps(gate, 2, spec_s=0.6, plain_s=0.1, batch=8) == ["fallback"] * 2  # known slow
+    clock.now += 10.5
+    seen = timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8)
+    assert seen[0] == "on" and seen[-1] == "fallback"  # re-probed, judged slow again on its own figures
+    assert gate.snapshot()["slow_buckets"] == {8: 20.0}
+    clock.now += 15
+    assert gate.decide(8) == "fallback"  # still inside the doubled cooldown
+    assert gate.decide(1) == "on"
+
+
+def test_a_new_policy_judges_afresh() -> None:
+    """set_policy (Engine.warmup ends with one) drops the buckets' figures and verdicts: what warm-up
+    steps cost is not what serving costs."""
+    clock = Clock()
+    policy = auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16, baseline_steps=4)
+    gate = SpeculationGate(policy, clock)
+    timed_steps(gate, 20, spec_s=0.6, plain_s=0.1, batch=8)
+    assert gate.snapshot()["slow_buckets"] == {8: 10.0} and gate.speedup(8) is not None
+    gate.set_policy(policy)
+    assert gate.snapshot()["slow_buckets"] == {} and gate.speedup(8) is None
+    assert gate.decide(8) == "on"
