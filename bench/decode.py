@@ -29,6 +29,12 @@ policy mode "on"), timed in the same run: spec_tok_s, speedup (over the engine w
 identical_spec (greedy tokens equal to the non-speculative run's), mean_accepted (drafts kept per
 step) and acceptance_by_position (a_j: fraction of depth-j drafts kept when drafted).
 
+With --spec-k two identical engines are loaded, both with the drafter, and swap sides every other
+batch (and round): two instances of one engine in one process can differ in speed by up to ~23% on a
+CPU (the first one made was the faster, 2026-11-26), which a fixed plain / speculative pair counted
+as speculation's gain or loss. --repeat R times every batch R times; speedup_after_first_round leaves
+out the first, where the auto gate is still judging.
+
 prefix_hit_tokens (and spec_prefix_hit_tokens) count the prompt tokens the timed run took from the
 prefix cache. With prompts that share a long head (bench/data/cpp/shared_prefix.jsonl: one system
 prompt and tool list, different questions; use --prompt-tokens 512 so that the head is not cut off),
@@ -136,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=1,
                         help="time every batch this many times, plain and speculative alternately (outputs from the "
                              "first; later rounds take the prompts from the prefix cache): less noise on short runs, "
-                             "and the auto gate's judgement carried from round to round as in a running server")
+                             "and the auto gate's judgement carried from round to round as in a running server "
+                             "(speedup_after_first_round: once the gate has judged)")
     parser.add_argument("--k-choices", default=None, help="with --policy auto: other K values the gate may pick "
                         "per batch-size bucket, e.g. 1,5 (auto.k_choices)")
     parser.add_argument("--chat", action="store_true",
@@ -166,6 +173,14 @@ class Sides:
     pad_id: int
     device: str
     n: int
+    policy: Any = None  # the speculative side's policy (with --spec-k: both engines can take it)
+
+    def run_as(self, eng: Any, speculate: bool, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
+        """With --spec-k both engines have the drafter: either runs either side, in its policy."""
+        from policies.policy import SpeculationPolicy
+
+        eng.set_policy(self.policy if speculate else SpeculationPolicy(mode="off"))
+        return engine_generate(eng, batch, self.n if max_new is None else max_new)
 
     def run_engine(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
         return engine_generate(self.engine, batch, self.n if max_new is None else max_new)
@@ -196,24 +211,29 @@ def _load(args: argparse.Namespace) -> Sides:
     from specialists.models.mtp import MissingDrafterError
 
     dtype = DTYPES[args.dtype]
-    engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
-                                    policy=SpeculationPolicy(mode="off"), decode_steps=args.decode_steps,
-                                    quantization=args.quantization)
-    spec_engine = None
+    off, policy = SpeculationPolicy(mode="off"), None
     if args.spec_k is not None:
         if args.spec_k < 1:
             raise UsageError("--spec-k must be >= 1")
         policy = SpeculationPolicy(mode=args.policy, num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
         if args.k_choices:
             policy = policy.merged({"auto": {"k_choices": [int(k) for k in args.k_choices.split(",")]}})
-        try:
-            spec_engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype,
-                                                 max_num_seqs=args.batch_size, policy=policy,
-                                                 draft_vocab_size=args.draft_vocab,
-                                                 draft_min_confidence=args.draft_min_confidence,
-                                                 quantization=args.quantization)
-        except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
-            raise UsageError(str(exc)) from exc
+
+    def load(pol: Any) -> Any:
+        return Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
+                                      policy=pol, decode_steps=args.decode_steps, quantization=args.quantization,
+                                      draft_vocab_size=args.draft_vocab, draft_min_confidence=args.draft_min_confidence)
+
+    # with --spec-k two identical engines, each running plain and speculative batches in turn: two
+    # instances of one engine in a process differ by up to 23% in speed on a CPU (the first made was
+    # faster here, build and general, 2026-11-26), which a fixed plain / speculative pair took for speculation's
+    try:
+        engine, spec_engine = (load(off), None) if policy is None else (load(policy), load(policy))
+    except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
+        raise UsageError(str(exc)) from exc
+    if spec_engine is not None:
+        engine.set_policy(off)
+        spec_engine.totals = engine.totals  # one count of the speculative runs, whichever engine ran them
     hf, pad_id = None, 0
     if not args.skip_hf:
         from specialists.base_checkpoint import resolve_weights
@@ -221,7 +241,7 @@ def _load(args: argparse.Namespace) -> Sides:
         hf = AutoModelForCausalLM.from_pretrained(str(resolve_weights(args.model)), dtype=dtype).to(args.device).eval()
         hf.generation_config.eos_token_id = None  # ignore EOS without masking it: the same greedy choice as ours
         pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    return Sides(engine, spec_engine, hf, pad_id, args.device, args.max_new_tokens)
+    return Sides(engine, spec_engine, hf, pad_id, args.device, args.max_new_tokens, policy)
 
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
@@ -248,12 +268,15 @@ def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> Non
     warm_n = min(sides.n, WARMUP_TOKENS)
     for batch in tqdm(batches, desc="warm-up", unit="batch", file=sys.stderr):
         warm = [p[::-1] for p in batch]
-        sides.run_engine(warm, warm_n)
-        if sides.spec_engine is not None:
-            sides.run_spec(warm, warm_n)
+        if sides.spec_engine is None:
+            sides.run_engine(warm, warm_n)
+        for eng in (sides.engine, sides.spec_engine) if sides.spec_engine is not None else ():
+            sides.run_as(eng, False, warm, warm_n)  # each engine both ways: either runs either side
+            sides.run_as(eng, True, warm, warm_n)
     if sides.spec_engine is not None:
-        sides.spec_engine.totals = type(sides.spec_engine.totals)()  # count the timed run only
-        sides.spec_engine.set_policy(sides.spec_engine.gate.policy)  # the gate judges afresh, as after Engine.warmup
+        sides.engine.totals = sides.spec_engine.totals = type(sides.engine.totals)()  # count the timed run only
+        for eng in (sides.engine, sides.spec_engine):  # the gates judge afresh, as after Engine.warmup
+            eng.gate.set_policy(sides.policy, fresh=True)
     if not skip_hf:
         sides.run_hf([p[::-1] for p in batches[0]], warm_n)
     _sync(sides.device)
@@ -267,33 +290,39 @@ def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | N
         ours, t_engine = timed(sides.run_engine, batches, sides.device, "engine")
         return ours, [], t_engine, 0.0
     ours, spec, t_engine, t_spec = [], [], 0.0, 0.0  # side by side, batch after batch: noise hits both alike
-    for batch in tqdm(batches, desc=f"engine / speculative K={spec_k}", unit="batch", file=sys.stderr):
+    engines, later = (sides.engine, sides.spec_engine), [0.0, 0.0]  # later: the rounds after the first
+    for i, batch in enumerate(tqdm(batches, desc=f"engine / speculative K={spec_k}", unit="batch", file=sys.stderr)):
         first = None
-        for _ in range(repeat):
-            plain, dt = timed(sides.run_engine, [batch], sides.device, "", quiet=True)
+        for r in range(repeat):
+            a, b = engines if (i + r) % 2 == 0 else engines[::-1]  # the engines swap sides every other run
+            plain, dt = timed(lambda x: sides.run_as(a, False, x), [batch], sides.device, "", quiet=True)
             t_engine += dt
-            out, dt = timed(sides.run_spec, [batch], sides.device, "", quiet=True)
+            later[0] += dt if r else 0.0
+            out, dt = timed(lambda x: sides.run_as(b, True, x), [batch], sides.device, "", quiet=True)
             t_spec += dt
+            later[1] += dt if r else 0.0
             if first is None:
                 first = (plain, out)
                 ours.extend(plain)
                 spec.extend(out)
             elif (plain, out) != first:  # a later round must give the first round's tokens
                 sides.repeat_differs = True
+    sides.later_ratio = later[0] / later[1] if later[1] > 0 else None  # plain / speculative time, rounds 2..
+    sides.run_as(sides.engine, False, [], 1)  # the roles back (later probes run engine plain, spec_engine speculating)
+    sides.run_as(sides.spec_engine, True, [], 1)
     return ours, spec, t_engine / repeat, t_spec / repeat
 
 
 def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namespace,
              num_prompts: int) -> tuple[dict, float, float, int]:
     """The result line's figures; also the engine's and transformers' seconds and the prefix hits."""
-    hits_before = sides.engine.stats.get("prefix_hit_tokens", 0)
-    spec_hits_before = sides.spec_engine.stats.get("prefix_hit_tokens", 0) if sides.spec_engine is not None else 0
+    engines = [e for e in (sides.engine, sides.spec_engine) if e is not None]
+    hits = lambda: sum(e.stats.get("prefix_hit_tokens", 0) for e in engines) // len(engines)  # noqa: E731 - a side's
+    hits_before = hits()
     ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k, args.repeat)
     lens = iter(len(o) for o in ours)  # the longest output of each batch: the decode steps one sequence waited
     args.token_steps = sum(max(next(lens) for _ in batch) for batch in batches)
-    prefix_hits = sides.engine.stats.get("prefix_hit_tokens", 0) - hits_before
-    if sides.spec_engine is not None:
-        args.spec_prefix_hits = sides.spec_engine.stats.get("prefix_hit_tokens", 0) - spec_hits_before
+    prefix_hits = args.spec_prefix_hits = hits() - hits_before  # both engines ran both sides alike
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
               "quantization": sides.engine.cfg.quantization, "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
@@ -346,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n, "chat": args.chat,
-                          **({"repeat": args.repeat, "repeat_identical": not getattr(sides, "repeat_differs", False)}
+                          **({"repeat": args.repeat, "repeat_identical": not getattr(sides, "repeat_differs", False),
+                              "speedup_after_first_round": round(r, 4) if (r := getattr(sides, "later_ratio", None)) else None}
                              if args.repeat > 1 else {}),
                           "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
                           "prefix_hit_tokens": prefix_hits, "checkpoint": ident,

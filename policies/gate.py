@@ -111,6 +111,10 @@ class SecondsPerToken:
 # it ran 1.2x faster over the whole (general, HumanEval, 2026-11-26); the first judgement of a bucket
 # still comes after a few steps (the window is only as long as what was measured)
 SPEC_STEPS = 256
+# a bucket that keeps speculating measures plain decoding again (a baseline of baseline_steps) after
+# this many speculative steps: a plain figure taken once, right after a prefill (slower steps while
+# the caches refill), kept build's batch 8 speculating at 0.82-0.89x (2026-11-26); ~3% of the steps
+REFRESH_EVERY = 256
 
 
 def _bucket(batch: int) -> int:
@@ -121,7 +125,7 @@ def _bucket(batch: int) -> int:
 class SpeculationGate:
     """One specialist's speculation switch: policy + rolling acceptance + fallback timer, under a lock."""
 
-    def __init__(self, policy: SpeculationPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: SpeculationPolicy, clock: Callable[[], float] = time.monotonic, paired: bool = False) -> None:
         self._lock = threading.Lock()
         self._clock = clock
         self._policy = policy
@@ -138,20 +142,29 @@ class SpeculationGate:
         self._k_steps: dict[int, int] = {}  # bucket -> steps that asked k_for
         self._slow: dict[int, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
         self._reprobe: dict[int, float] = {}  # bucket -> the cooldown of its expired slow verdict
+        self._since_plain: dict[int, int] = {}  # bucket -> speculative steps since its plain figure was taken
+        # paired baselines (the engine sets it where plain steps can keep the drafter current: not with
+        # multi-step graphs): a baseline alternates plain and speculative steps, both figures taken afresh,
+        # so that both come from the same stretch of the text and of the batch's life
+        self.paired = paired
+        self._flip = False
 
     @property
     def policy(self) -> SpeculationPolicy:
         return self._policy
 
-    def set_policy(self, policy: SpeculationPolicy) -> None:
-        """Switch now: the next decide() follows the new policy; the window, the time figures and the
-        buckets' verdicts start afresh (Engine.warmup's steps, say, are not what serving costs)."""
+    def set_policy(self, policy: SpeculationPolicy, fresh: bool = False) -> None:
+        """Switch now: the next decide() follows the new policy; the window starts afresh. fresh: the
+        time figures and the buckets' verdicts too (Engine.warmup's steps are not what serving costs);
+        otherwise they stay, as what this machine measured."""
         with self._lock:
             old = self._policy
             self._policy = policy
             self._window = RollingAcceptance(policy.auto.window)
-            for figures in (self._spec_spt, self._plain_spt, self._k_spt, self._k_steps, self._slow, self._reprobe):
-                figures.clear()
+            if fresh:
+                for figures in (self._spec_spt, self._plain_spt, self._k_spt, self._k_steps, self._slow, self._reprobe,
+                            self._since_plain):
+                    figures.clear()
             self._enter(_base_status(policy), "policy")
             status = self._status
         log.info("speculation policy: mode %s -> %s, status %s", old.mode, policy.mode, status)
@@ -167,6 +180,11 @@ class SpeculationGate:
                 if self._reason == "slow" and slow:
                     return "fallback"
                 if self._reason != "slow" and not self._fallback_over(gating, running_batch):
+                    if self._reason == "baseline" and self.paired:
+                        self._flip = not self._flip
+                        return "fallback" if self._flip else "on"
+                    return "fallback"
+                if self._reason == "baseline" and self.paired and self._judge(_bucket(running_batch)):
                     return "fallback"
                 self._window = RollingAcceptance(gating.window)
                 self._enter("on", "probe")
@@ -232,27 +250,39 @@ class SpeculationGate:
             b = _bucket(batch)
             if status == "on":
                 self._spec_spt.setdefault(b, SecondsPerToken(SPEC_STEPS)).add(seconds, tokens)
+                self._since_plain[b] = self._since_plain.get(b, 0) + 1
                 if k:
                     self._k_spt.setdefault((b, k), SecondsPerToken()).add(seconds, tokens)
             else:
                 self._plain_spt.setdefault(b, SecondsPerToken()).add(seconds, tokens)
+                self._since_plain[b] = 0
             gating = self._policy.auto
             if self._policy.mode != "auto" or gating.min_speedup <= 0 or status != "on" or self._status != "on":
                 return
             if not self._window.full:
                 return
             plain = self._plain_spt.get(b)
-            if plain is None or plain.value is None:
+            if plain is None or plain.value is None or self._since_plain.get(b, 0) >= REFRESH_EVERY:
+                self._plain_spt.pop(b, None)  # a fresh plain figure, taken now
+                if self.paired:
+                    self._spec_spt.pop(b, None)
                 self._fall_back("baseline")
                 return
-            speedup = self._speedup(b)
-            if speedup is not None and speedup < gating.min_speedup:
-                last = self._reprobe.pop(b, None)  # slow again after a re-probe: wait twice as long
-                cooldown = gating.cooldown_s if last is None else min(8 * gating.cooldown_s, 2 * last)
-                self._slow[b] = (self._clock() + cooldown, cooldown)
-                self._fall_back("slow")
-            elif speedup is not None:
-                self._reprobe.pop(b, None)
+            self._judge(b)
+
+    def _judge(self, b: int) -> bool:  # under the lock
+        """Bucket b's verdict from its figures: slow -> fallback for the bucket's cooldown. -> slow?"""
+        gating = self._policy.auto
+        speedup = self._speedup(b)
+        if speedup is not None and speedup < gating.min_speedup:
+            last = self._reprobe.pop(b, None)  # slow again after a re-probe: wait twice as long
+            cooldown = gating.cooldown_s if last is None else min(8 * gating.cooldown_s, 2 * last)
+            self._slow[b] = (self._clock() + cooldown, cooldown)
+            self._fall_back("slow")
+            return True
+        if speedup is not None:
+            self._reprobe.pop(b, None)
+        return False
 
     def speedup(self, batch: int = 1) -> float | None:
         """Plain over speculative seconds per token at this batch size's bucket (None until both)."""

@@ -80,7 +80,7 @@ class Engine:
             policy = SpeculationPolicy() if drafter is not None else SpeculationPolicy(mode="off")
         if drafter is None and policy.mode != "off":
             raise MissingDrafterError("speculation needs an MTP drafter; pass one or use mode 'off'")
-        self.gate = SpeculationGate(policy)
+        self.gate = SpeculationGate(policy, paired=not self.runner.static)  # multi-step graphs: block baselines
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
         self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
         self.scheduler.draft_lookahead = self.speculator.ahead_pool
@@ -152,7 +152,7 @@ class Engine:
                 if self.speculator.mask_kernel is not None:  # its kernels compile now, not in a request
                     self.generate([ids], replace(params, ignore_eos=False, grammar=self.grammar(GrammarSpec(kind="json_object"))))
         finally:
-            self.gate.set_policy(policy)  # the warm-up's acceptance does not count
+            self.gate.set_policy(policy, fresh=True)  # the warm-up's acceptance and times do not count
         self.ready = True
 
     def capture_graphs(self, max_rows: int | None = None, progress: bool = False) -> int:

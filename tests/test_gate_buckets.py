@@ -30,14 +30,17 @@ def test_slow_verdicts_are_kept_per_bucket_with_a_backoff() -> None:
     assert gate.decide(1) == "on"
 
 
-def test_a_new_policy_judges_afresh() -> None:
-    """set_policy (Engine.warmup ends with one) drops the buckets' figures and verdicts: what warm-up
-    steps cost is not what serving costs."""
+def test_fresh_policy_judges_afresh_and_a_toggle_keeps_what_was_measured() -> None:
+    """set_policy(fresh=True) (Engine.warmup ends with one) drops the buckets' figures and verdicts:
+    what warm-up steps cost is not what serving costs. A plain toggle (off, then auto again) keeps them."""
     clock = Clock()
     policy = auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16, baseline_steps=4)
     gate = SpeculationGate(policy, clock)
     timed_steps(gate, 20, spec_s=0.6, plain_s=0.1, batch=8)
     assert gate.snapshot()["slow_buckets"] == {8: 10.0} and gate.speedup(8) is not None
+    gate.set_policy(policy.model_copy(update={"mode": "off"}))
     gate.set_policy(policy)
+    assert gate.snapshot()["slow_buckets"] == {8: 10.0} and gate.decide(8) == "fallback"
+    gate.set_policy(policy, fresh=True)
     assert gate.snapshot()["slow_buckets"] == {} and gate.speedup(8) is None
     assert gate.decide(8) == "on"
