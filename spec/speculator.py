@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
+from spec.catchup import CatchUp
 from spec.grammar import DraftMasks, MaskBuffers, StepMasks, active_guide, bitmask_words
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
 from state.transfer import device_ints
@@ -56,9 +57,13 @@ class Speculator:
         # the device copies of the closing preferences it adds; None: spec/grammar.py's torch ops
         self.mask_kernel: Callable[..., None] | None = None
         self._mask_buffers = MaskBuffers(self.device)
+        self.catch_up = CatchUp()  # drafter entries owed for plain steps that skipped the rebuild
+        self._entries: set[int] = set()  # sequences the drafter has entries for (rebuilt at least once)
 
     def forget(self, seq_id: int) -> None:
         self._draft_index.pop(seq_id, None)
+        self._entries.discard(seq_id)
+        self.catch_up.forget(seq_id)
 
     def execute(
         self,
@@ -208,8 +213,11 @@ class Speculator:
             self._draft_out = static.draft_out
         elif plan.rebuild and self.drafter is not None:
             t0 = time.perf_counter()
+            self.catch_up.run(self.runner, self.drafter, [r.seq_id for r in plan.rows])  # owed entries first
             self._rebuild(plan, forward, accepted.tokens)
             rebuild_s = time.perf_counter() - t0
+        elif self.drafter is not None and static is None and (owed := [r.seq_id for r in plan.rows if r.seq_id in self._entries]):
+            self.catch_up.stash(forward.batch, forward.hidden, self._next_tokens(plan, forward, accepted.tokens), owed)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
             wait = self._host_copy(accepted.packed)
@@ -276,6 +284,11 @@ class Speculator:
 
     def _rebuild(self, plan: StepPlan, res: Any, tokens: torch.Tensor) -> None:
         """Drafter entries for every token of the batch: (its hidden, the token after it)."""
+        self._draft_out = self.drafter.rebuild(res.batch, res.hidden, self._next_tokens(plan, res, tokens))
+
+    def _next_tokens(self, plan: StepPlan, res: Any, tokens: torch.Tensor) -> torch.Tensor:
+        """[T]: the token after each token of the batch (a prompt shifted by one, then the sampled one;
+        a verify's kept drafts and the target's token)."""
         T, kmax = res.hidden.shape[0], plan.k
         src: list[int] = []
         for b, r in enumerate(plan.rows):
@@ -286,11 +299,9 @@ class Speculator:
             else:
                 src.extend(range(base, base + r.q))  # kept drafts and the target's token
         if src == list(range(T, T + tokens.numel())):  # decodes only, every row at kmax drafts: all of tokens
-            next_tokens = tokens.reshape(-1)
-        else:
-            pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
-            next_tokens = pool[device_ints(src, self.device)]
-        self._draft_out = self.drafter.rebuild(res.batch, res.hidden, next_tokens)
+            return tokens.reshape(-1)
+        pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
+        return pool[device_ints(src, self.device)]
 
     def _host_copy(self, packed: torch.Tensor) -> Callable[[], list[list[int]]]:
         """Starts packed's copy into pinned host memory; -> a call that waits for it and returns the lists."""
@@ -351,5 +362,6 @@ class Speculator:
                 end = r.t0 + m - 1
             if rebuilt:
                 self._draft_index[r.seq_id] = end
+                self._entries.add(r.seq_id)
         if self.ssm is not None and slots:
             self.ssm.commit(slots, counts)

@@ -39,7 +39,7 @@ import torch
 
 from spec.acceptance import greedy_accept, pack
 from specialists.graphs import GraphCache
-from specialists.models.batch import ForwardBatch
+from specialists.models.batch import ForwardBatch, SeqStep
 from specialists.multistep import multi_decode
 from specialists.options import EngineConfig
 from specialists.static_masks import StaticMask, StaticMasks
@@ -162,6 +162,12 @@ class Runner:
 
         real = batch(B, lay.T, n_logits)
         return (batch(lay.Bp, lay.Tp, lay.Tp if lay.static else n_logits) if lay.Bp > B else real), real
+
+    def history_batch(self, spans: list[tuple[int, int, int]]) -> ForwardBatch:
+        """(seq_id, start, n): positions a sequence already committed -> an eager batch over them, apart
+        from the step's buffers (the drafter's catch-up, spec/catchup.py)."""
+        steps = [SeqStep(sid, [0] * n, start, self.kv.block_table(sid), True, "none") for sid, start, n in spans]
+        return ForwardBatch.build(steps, self.kv.block_size, self.device)
 
     def _layout(self, rows: list[BatchRow], tables: list[list[int]], allow_static: bool = True) -> _Layout:
         qlens = [r.q for r in rows]

@@ -1,0 +1,61 @@
+"""The drafter's lazy catch-up: entries owed for tokens committed while it did not run.
+
+A plain step under the `auto` gate's fallback skips the drafter's rebuild, so that it costs what a
+plain step costs; the drafter then has no entries for those tokens, and drafts after the gate
+resumes would attend over stale ones (a re-probe judged on such drafts finds speculation slower than
+it is). Instead the step's target hidden states and next tokens are kept per sequence (eager steps
+only: a CPU's; multi-step graphs keep no per-token hidden states), and the next step that rebuilds
+writes the owed entries first, oldest first, in one drafter call over the spans: the cost is paid
+once, on resume, not on every fallback step. At most CAP tokens are owed per sequence (the most
+recent: a long fallback leaves its oldest tokens stale, the ones the next drafts read the least).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CAP = 512
+
+
+class CatchUp:
+    def __init__(self) -> None:
+        self._owed: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # seq -> [(start, hidden, next)]
+
+    def owed(self, seq_id: int) -> int:
+        return sum(h.shape[0] for _, h, _ in self._owed.get(seq_id, ()))
+
+    def forget(self, seq_id: int) -> None:
+        self._owed.pop(seq_id, None)
+
+    def stash(self, batch: Any, hidden: torch.Tensor, next_tokens: torch.Tensor, seq_ids: list[int]) -> None:
+        """A step that skipped the rebuild: the tokens of the rows of `seq_ids` (sequences the drafter
+        has entries for) are owed. batch: the step's (eager) batch; hidden, next_tokens: per token."""
+        qsl = batch.query_start_loc.tolist()
+        starts = batch.positions[batch.query_start_loc[:-1].long()].tolist()
+        for b, sid in enumerate(batch.seq_ids):
+            if sid not in seq_ids:
+                continue
+            lo, hi = qsl[b], qsl[b + 1]
+            chunks = self._owed.setdefault(sid, [])
+            if chunks and chunks[-1][0] + chunks[-1][1].shape[0] != starts[b]:
+                chunks.clear()  # not contiguous (cannot happen while the sequence lives): keep the tail
+            chunks.append((starts[b], hidden[lo:hi].detach().clone(), next_tokens[lo:hi].detach().clone()))
+            while sum(h.shape[0] for _, h, _ in chunks) - chunks[0][1].shape[0] >= CAP:
+                chunks.pop(0)
+
+    def run(self, runner: Any, drafter: Any, seq_ids: list[int]) -> int:
+        """Writes the entries owed for these sequences (before their step's own rebuild) -> how many."""
+        spans, hidden, toks = [], [], []
+        for sid in seq_ids:
+            chunks = self._owed.pop(sid, None)
+            if not chunks:
+                continue
+            spans.append((sid, chunks[0][0], sum(h.shape[0] for _, h, _ in chunks)))
+            hidden.extend(h for _, h, _ in chunks)
+            toks.extend(t for _, _, t in chunks)
+        if not spans:
+            return 0
+        drafter.rebuild(runner.history_batch(spans), torch.cat(hidden), torch.cat(toks))
+        return sum(n for _, _, n in spans)

@@ -1,0 +1,87 @@
+"""The drafter's lazy catch-up (spec/catchup.py): plain steps that skip the drafter's rebuild (the
+auto gate's fallback, a policy switched off) leave its entries owed, and the next step that rebuilds
+writes them first. Checked on the shell specialist (CPU, eager): after an off stretch in the middle
+of a request the drafter's cache holds, at every committed position, the entries an engine that
+never stopped speculating has; without the catch-up it does not (the test can fail); the owed
+entries are capped, forgotten with their sequence, and speculative output still equals plain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from policies.policy import SpeculationPolicy
+from spec import catchup
+from specialists.engine import Engine
+from specialists.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "find all files larger than 10 megabytes in the current directory and print their sizes"
+
+
+def _engine(mode: str = "on") -> Engine:
+    return Engine.from_pretrained(ROOT / "deploy" / "models" / "shell", max_num_seqs=2, num_blocks=64,
+                                  policy=SpeculationPolicy(mode=mode, num_speculative_tokens=3))
+
+
+def _drive(eng: Engine, off_steps: range, total: int) -> tuple[str, list[int]]:
+    """One greedy request, `total` steps, speculation off during off_steps; -> (request id, tokens)."""
+    on = eng.gate.policy
+    rid = eng.add_request(eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"],
+                          SamplingParams(max_tokens=200, ignore_eos=True))
+    out = []
+    for i in range(total):
+        eng.set_policy(on.model_copy(update={"mode": "off"}) if i in off_steps else on)
+        for o in eng.step():
+            out = list(o.token_ids)
+    return rid, out
+
+
+def _entries(eng: Engine, rid: str, n: int) -> torch.Tensor:
+    """The drafter's keys at the request's first n positions."""
+    seq = eng._seqs[rid]
+    table = eng.kv.block_table(seq.seq_id)
+    bs = eng.kv.block_size
+    slots = [table[p // bs] * bs + p % bs for p in range(n)]
+    k = eng.drafter.k.view(-1, *eng.drafter.k.shape[2:])
+    return k[torch.tensor(slots)]
+
+
+def _compare(off_steps: range, total: int) -> tuple[bool, int]:
+    ref, eng = _engine(), _engine()
+    rid_ref, toks_ref = _drive(ref, range(0), total)
+    rid, toks = _drive(eng, off_steps, total)
+    n = min(len(toks), len(toks_ref)) - 4  # committed positions both engines have rebuilt by now
+    prompt = len(eng._seqs[rid].prompt_ids)
+    return torch.equal(_entries(eng, rid, prompt + n), _entries(ref, rid_ref, prompt + n)), n
+
+
+def test_resume_writes_the_owed_entries() -> None:
+    same, n = _compare(range(3, 12), 18)  # 9 plain steps in the middle, then speculation again
+    assert n > 20 and same
+
+
+def test_without_the_catch_up_the_entries_are_stale(monkeypatch) -> None:
+    monkeypatch.setattr(catchup.CatchUp, "run", lambda self, runner, drafter, seq_ids: 0)
+    same, _ = _compare(range(3, 12), 18)
+    assert not same
+
+
+def test_owed_entries_are_capped_and_forgotten(monkeypatch) -> None:
+    monkeypatch.setattr(catchup, "CAP", 5)
+    eng = _engine()
+    rid, _ = _drive(eng, range(2, 40), 20)  # off from step 2 on: 18 plain steps owed, capped
+    sid = eng._seqs[rid].seq_id
+    owed = eng.speculator.catch_up.owed(sid)
+    assert 5 <= owed < 5 + 2
+    eng.abort(rid)
+    assert eng.speculator.catch_up.owed(sid) == 0
+
+
+def test_speculation_with_catch_up_equals_plain() -> None:
+    plain = _engine("off")
+    _, want = _drive(plain, range(0), 40)
+    _, got = _drive(_engine(), range(5, 25), 40)
+    n = min(len(want), len(got))
+    assert n >= 39 and got[:n] == want[:n]
