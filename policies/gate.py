@@ -154,14 +154,15 @@ class SpeculationGate:
         return self._policy
 
     def set_policy(self, policy: SpeculationPolicy, fresh: bool = False) -> None:
-        """Switch now: the next decide() follows the new policy; the window starts afresh. fresh: the
-        time figures and the buckets' verdicts too (Engine.warmup's steps are not what serving costs);
-        otherwise they stay, as what this machine measured."""
+        """Switch now: the next decide() follows the new policy; the window starts afresh. The time
+        figures and the buckets' verdicts too with fresh (Engine.warmup's steps are not what serving
+        costs) or a policy that differs in more than its mode (other K, thresholds: other figures);
+        a toggle of the mode alone keeps them, as what this machine measured."""
         with self._lock:
             old = self._policy
             self._policy = policy
             self._window = RollingAcceptance(policy.auto.window)
-            if fresh:
+            if fresh or policy.model_copy(update={"mode": old.mode}) != old:
                 for figures in (self._spec_spt, self._plain_spt, self._k_spt, self._k_steps, self._slow, self._reprobe,
                             self._since_plain):
                     figures.clear()

@@ -303,7 +303,7 @@ class Engine:
             seq.stats.note_k(row.k)
             self.totals.record(k_room, a, n)
             if not row.prefill:
-                seq.stats.speculation = merge_status(seq.stats.speculation, status if seq.draft_ok else "off")
+                seq.stats.speculation = merge_status(seq.stats.speculation, status if seq.draft_ok or status == "fallback" else "off")
         if drafted:
             self.gate.observe(drafted, accepted)
         return kept, events

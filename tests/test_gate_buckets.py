@@ -44,3 +44,7 @@ def test_fresh_policy_judges_afresh_and_a_toggle_keeps_what_was_measured() -> No
     gate.set_policy(policy, fresh=True)
     assert gate.snapshot()["slow_buckets"] == {} and gate.speedup(8) is None
     assert gate.decide(8) == "on"
+    timed_steps(gate, 20, spec_s=0.6, plain_s=0.1, batch=8)
+    assert gate.snapshot()["slow_buckets"] == {8: 10.0}
+    gate.set_policy(policy.model_copy(update={"num_speculative_tokens": 2}))  # another policy: other figures
+    assert gate.snapshot()["slow_buckets"] == {} and gate.decide(8) == "on"
