@@ -177,9 +177,8 @@ class Sides:
 
     def run_as(self, eng: Any, speculate: bool, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
         """With --spec-k both engines have the drafter: either runs either side, in its policy."""
-        from policies.policy import SpeculationPolicy
-
-        eng.set_policy(self.policy if speculate else SpeculationPolicy(mode="off"))
+        eng.set_policy(self.policy if speculate else self.policy.model_copy(update={"mode": "off"}))  # a mode toggle:
+        # the gate keeps what it measured (another policy would start it afresh)
         return engine_generate(eng, batch, self.n if max_new is None else max_new)
 
     def run_engine(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
@@ -348,6 +347,9 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
             acceptance_by_position=[round(x, 4) for x in tot.acceptance_by_position],
             spec_prefix_hit_tokens=args.spec_prefix_hits,
         )
+        if args.policy == "auto":  # what each engine's gate measured (plain / speculative per bucket) and decided
+            result["gates"] = [{k: e.gate.snapshot()[k] for k in ("measured_speedup", "slow_buckets", "fallbacks")}
+                               for e in (sides.engine, sides.spec_engine)]
     result["prefix_hit_tokens"] = prefix_hits
     return result, t_engine, t_hf, prefix_hits
 
