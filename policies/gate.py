@@ -181,7 +181,7 @@ class SpeculationGate:
                 if self._reason == "slow" and slow:
                     return "fallback"
                 if self._reason != "slow" and not self._fallback_over(gating, running_batch):
-                    if self._reason == "baseline" and self.paired:
+                    if self._reason == "baseline" and self.paired and running_batch <= gating.max_running_batch:
                         self._flip = not self._flip
                         return "fallback" if self._flip else "on"
                     return "fallback"

@@ -48,3 +48,16 @@ def test_fresh_policy_judges_afresh_and_a_toggle_keeps_what_was_measured() -> No
     assert gate.snapshot()["slow_buckets"] == {8: 10.0}
     gate.set_policy(policy.model_copy(update={"num_speculative_tokens": 2}))  # another policy: other figures
     assert gate.snapshot()["slow_buckets"] == {} and gate.decide(8) == "on"
+
+
+def test_a_paired_baseline_alternates_and_never_speculates_above_max_running_batch() -> None:
+    """A CPU's baseline (paired): plain and speculative steps in turn, judged when both figures are
+    in; a batch above max_running_batch meanwhile decodes plainly."""
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=8,
+                                       baseline_steps=4), Clock(), paired=True)
+    seen = timed_steps(gate, 3, spec_s=0.6, plain_s=0.1, batch=8)
+    assert seen == ["on", "on", "fallback"] and gate.snapshot()["reason"] == "baseline"
+    assert timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8) == ["on", "fallback", "on", "fallback"]
+    assert gate.decide(16) == "fallback"
+    timed_steps(gate, 6, spec_s=0.6, plain_s=0.1, batch=8)
+    assert gate.snapshot()["slow_buckets"] == {8: 10.0}
