@@ -143,7 +143,7 @@ class SpeculationGate:
         self._slow: dict[int, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
         self._reprobe: dict[int, float] = {}  # bucket -> the cooldown of its expired slow verdict
         self._since_plain: dict[int, int] = {}  # bucket -> speculative steps since its plain figure was taken
-        # paired baselines (the engine sets it where plain steps can keep the drafter current: not with
+        # paired baselines (the engine asks for them where plain steps can keep the drafter current: not with
         # multi-step graphs): a baseline alternates plain and speculative steps, both figures taken afresh,
         # so that both come from the same stretch of the text and of the batch's life
         self.paired = paired

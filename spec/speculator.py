@@ -216,7 +216,7 @@ class Speculator:
             self.catch_up.run(self.runner, self.drafter, [r.seq_id for r in plan.rows])  # owed entries first
             self._rebuild(plan, forward, accepted.tokens)
             rebuild_s = time.perf_counter() - t0
-        elif self.drafter is not None and static is None and (owed := [r.seq_id for r in plan.rows if r.seq_id in self._entries]):
+        elif self.drafter is not None and not self.runner.static and (owed := [r.seq_id for r in plan.rows if r.seq_id in self._entries]):
             self.catch_up.stash(forward.batch, forward.hidden, self._next_tokens(plan, forward, accepted.tokens), owed)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it

@@ -111,9 +111,9 @@ def write(gguf_path: Path, dest: Path, dense: dict[str, torch.Tensor]) -> bool:
     tensors, types = {}, {}
     for name, (kind, blocks) in found.items():
         ref = dense.get(name)
-        if ref is None and name == "lm_head.weight":
+        if ref is None and name == "lm_head.weight":  # a tied head the checkpoint does not store
             continue
-        values = torch.from_numpy(dequantize(kind, blocks)).to(ref.dtype) if ref is not None else None
+        values = None if ref is None else torch.from_numpy(dequantize(kind, blocks)).to(ref.dtype)
         if values is None or values.shape != ref.shape or not torch.equal(values, ref):
             log.warning("%s: the GGUF's %s blocks do not give the checkpoint's values: no GGML blocks kept", name, kind)
             return False

@@ -35,6 +35,9 @@ from specialists.ops.linear import quantize_blocks, quantize_int8
 
 PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj")  # a Llama layer's (hybrids are refused)
 AUTO_MIN_PARAMS = 50_000_000  # "auto" quantizes real checkpoints, not the 3.5M-parameter toys
+Q4_PARTS = (("attn", "qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),  # fused as the model fuses
+            ("attn", "o_proj", ("self_attn.o_proj",)), ("mlp", "gate_up", ("mlp.gate_proj", "mlp.up_proj")),
+            ("mlp", "down_proj", ("mlp.down_proj",)))
 
 
 def resolve(model: Any, mode: str) -> str:
@@ -125,13 +128,8 @@ def _quantize_q4(model: Any) -> int:
     blocks = ggml_blocks.read(path.parent)
     n = 0
     for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        parts = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
-                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
-        for owner in (layer.attn, layer.mlp):
-            for attr, names in parts.items():
-                if hasattr(owner, attr):
-                    n += _register(getattr(owner, attr), [blocks[f"{pre}{name}.weight"] for name in names])
+        for owner, attr, names in Q4_PARTS:
+            n += _register(getattr(getattr(layer, owner), attr), [blocks[f"model.layers.{i}.{name}.weight"] for name in names])
     tied = getattr(model.config, "tie_word_embeddings", True)
     emb = blocks.get("model.embed_tokens.weight")
     if emb is not None:  # the lookup reads the file's values too (a bf16 checkpoint rounded them)

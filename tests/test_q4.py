@@ -24,8 +24,8 @@ from specialists import ggml_blocks
 from specialists.engine import Engine
 from specialists.gguf_import import MANIFEST, ImportRequest, run_import
 from specialists.ops import native
+from test_native import needs_native
 
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
 def _import(root, every: bool):

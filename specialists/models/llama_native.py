@@ -61,13 +61,12 @@ class NativeLlama:
             a, m = layer.attn, layer.mlp
             row = [self._f(layer.input_norm), self._f(layer.post_norm)]
             for w, b in ((a.qkv, a.qkv_bias), (a.o_proj, a.o_bias), (m.gate_up, m.gate_up_bias), (m.down_proj, m.down_bias)):
+                q = None if fp32 else int8_of(w)
                 if fp32:  # the weights as they are (no scale)
                     row += [self._f(w), 0, self._f(b)]
                 elif mode == 2:  # packed blocks, and their type where int8 has its scales
-                    q = int8_of(w)
                     row += [self._f(q.packed), q.kind, self._f(b)]
                 else:
-                    q = int8_of(w)
                     row += [self._f(q.w), self._f(q.scale32), self._f(b)]
             rows.append(row + [0, 0])  # the KV pool's layers: filled per pool
         self.table = torch.tensor(rows, dtype=torch.int64)

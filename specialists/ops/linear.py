@@ -169,18 +169,21 @@ def quantize_int8(w: torch.Tensor, native: bool = False) -> bool:
     where the kernel is missing or w is not a CPU matrix (nothing registered)."""
     if not (w.device.type == "cpu" and w.dim() == 2 and w.is_floating_point() and hasattr(torch, "_weight_int8pack_mm")):
         return False
-    key = id(w)
-    with _lock:
-        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), _Int8Linear(w, native))
+    _register(w, _Int8Linear(w, native))
     return True
 
 
 def quantize_blocks(w: torch.Tensor, kind: int, packed: torch.Tensor) -> None:
     """From now on `linear(x, w)` on the CPU reads `packed` (GGML blocks standing for w's values, laid
     out by ggml_blocks.pack) through the native kernel."""
+    _register(w, BlockLinear(kind, packed, w.shape[0]))
+
+
+def _register(w: torch.Tensor, impl: "_Int8Linear | BlockLinear") -> None:
+    """linear(x, w) runs impl from now on, for as long as w lives."""
     key = id(w)
     with _lock:
-        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), BlockLinear(kind, packed, w.shape[0]))
+        _quantized[key] = (weakref.ref(w, lambda _, key=key: _quantized.pop(key, None)), impl)
 
 
 def int8_of(w: torch.Tensor) -> "_Int8Linear | BlockLinear | None":
