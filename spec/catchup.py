@@ -12,6 +12,7 @@ recent: a long fallback leaves its oldest tokens stale, the ones the next drafts
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -19,12 +20,26 @@ import torch
 CAP = 512
 
 
+class _Owed:
+    """One sequence's owed tokens: contiguous chunks (start, hidden [q, d], next tokens [q]), oldest first."""
+
+    __slots__ = ("chunks", "count")
+
+    def __init__(self) -> None:
+        self.chunks: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque()
+        self.count = 0
+
+    def end(self) -> int | None:
+        return self.chunks[-1][0] + self.chunks[-1][1].shape[0] if self.chunks else None
+
+
 class CatchUp:
     def __init__(self) -> None:
-        self._owed: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # seq -> [(start, hidden, next)]
+        self._owed: dict[int, _Owed] = {}
 
     def owed(self, seq_id: int) -> int:
-        return sum(h.shape[0] for _, h, _ in self._owed.get(seq_id, ()))
+        o = self._owed.get(seq_id)
+        return o.count if o is not None else 0
 
     def forget(self, seq_id: int) -> None:
         self._owed.pop(seq_id, None)
@@ -32,29 +47,32 @@ class CatchUp:
     def stash(self, batch: Any, hidden: torch.Tensor, next_tokens: torch.Tensor, seq_ids: list[int]) -> None:
         """A step that skipped the rebuild: the tokens of the rows of `seq_ids` (sequences the drafter
         has entries for) are owed. batch: the step's (eager) batch; hidden, next_tokens: per token."""
+        wanted = set(seq_ids)
         qsl = batch.query_start_loc.tolist()
         starts = batch.positions[batch.query_start_loc[:-1].long()].tolist()
         for b, sid in enumerate(batch.seq_ids):
-            if sid not in seq_ids:
+            if sid not in wanted:
                 continue
             lo, hi = qsl[b], qsl[b + 1]
-            chunks = self._owed.setdefault(sid, [])
-            if chunks and chunks[-1][0] + chunks[-1][1].shape[0] != starts[b]:
-                chunks.clear()  # not contiguous (cannot happen while the sequence lives): keep the tail
-            chunks.append((starts[b], hidden[lo:hi].detach().clone(), next_tokens[lo:hi].detach().clone()))
-            while sum(h.shape[0] for _, h, _ in chunks) - chunks[0][1].shape[0] >= CAP:
-                chunks.pop(0)
+            o = self._owed.setdefault(sid, _Owed())
+            if o.chunks and o.end() != starts[b]:  # not contiguous (cannot happen while the sequence lives)
+                o.chunks.clear()
+                o.count = 0
+            o.chunks.append((starts[b], hidden[lo:hi].detach().clone(), next_tokens[lo:hi].detach().clone()))
+            o.count += hi - lo
+            while o.count - o.chunks[0][1].shape[0] >= CAP:  # keep the most recent CAP or so
+                o.count -= o.chunks.popleft()[1].shape[0]
 
     def run(self, runner: Any, drafter: Any, seq_ids: list[int]) -> int:
         """Writes the entries owed for these sequences (before their step's own rebuild) -> how many."""
         spans, hidden, toks = [], [], []
         for sid in seq_ids:
-            chunks = self._owed.pop(sid, None)
-            if not chunks:
+            o = self._owed.pop(sid, None)
+            if o is None or not o.chunks:
                 continue
-            spans.append((sid, chunks[0][0], sum(h.shape[0] for _, h, _ in chunks)))
-            hidden.extend(h for _, h, _ in chunks)
-            toks.extend(t for _, _, t in chunks)
+            spans.append((sid, o.chunks[0][0], o.count))
+            hidden.extend(h for _, h, _ in o.chunks)
+            toks.extend(t for _, _, t in o.chunks)
         if not spans:
             return 0
         drafter.rebuild(runner.history_batch(spans), torch.cat(hidden), torch.cat(toks))
