@@ -174,11 +174,16 @@ class Sides:
     device: str
     n: int
     policy: Any = None  # the speculative side's policy (with --spec-k: both engines can take it)
+    repeat_differs: bool = False  # a later --repeat round gave other tokens than the first
+    later_ratio: float | None = None  # plain / speculative time over the rounds after the first
+
+    def side(self, eng: Any, speculate: bool) -> None:
+        """With --spec-k both engines have the drafter: either takes either side. A mode toggle of one
+        policy, so the gate keeps what it measured (another policy would start it afresh)."""
+        eng.set_policy(self.policy if speculate else self.policy.model_copy(update={"mode": "off"}))
 
     def run_as(self, eng: Any, speculate: bool, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
-        """With --spec-k both engines have the drafter: either runs either side, in its policy."""
-        eng.set_policy(self.policy if speculate else self.policy.model_copy(update={"mode": "off"}))  # a mode toggle:
-        # the gate keeps what it measured (another policy would start it afresh)
+        self.side(eng, speculate)
         return engine_generate(eng, batch, self.n if max_new is None else max_new)
 
     def run_engine(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
@@ -269,8 +274,9 @@ def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> Non
         warm = [p[::-1] for p in batch]
         if sides.spec_engine is None:
             sides.run_engine(warm, warm_n)
-        for eng in (sides.engine, sides.spec_engine) if sides.spec_engine is not None else ():
-            sides.run_as(eng, False, warm, warm_n)  # each engine both ways: either runs either side
+            continue
+        for eng in (sides.engine, sides.spec_engine):  # each engine both ways: either runs either side
+            sides.run_as(eng, False, warm, warm_n)
             sides.run_as(eng, True, warm, warm_n)
     if sides.spec_engine is not None:
         sides.engine.totals = sides.spec_engine.totals = type(sides.engine.totals)()  # count the timed run only
@@ -306,9 +312,9 @@ def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | N
                 spec.extend(out)
             elif (plain, out) != first:  # a later round must give the first round's tokens
                 sides.repeat_differs = True
-    sides.later_ratio = later[0] / later[1] if later[1] > 0 else None  # plain / speculative time, rounds 2..
-    sides.run_as(sides.engine, False, [], 1)  # the roles back (later probes run engine plain, spec_engine speculating)
-    sides.run_as(sides.spec_engine, True, [], 1)
+    sides.later_ratio = later[0] / later[1] if later[1] > 0 else None
+    sides.side(sides.engine, False)  # the roles back (later probes run engine plain, spec_engine speculating)
+    sides.side(sides.spec_engine, True)
     return ours, spec, t_engine / repeat, t_spec / repeat
 
 
@@ -377,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
     record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n, "chat": args.chat,
-                          **({"repeat": args.repeat, "repeat_identical": not getattr(sides, "repeat_differs", False),
-                              "speedup_after_first_round": round(r, 4) if (r := getattr(sides, "later_ratio", None)) else None}
+                          **({"repeat": args.repeat, "repeat_identical": not sides.repeat_differs,
+                              "speedup_after_first_round": round(sides.later_ratio, 4) if sides.later_ratio else None}
                              if args.repeat > 1 else {}),
                           "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
                           "prefix_hit_tokens": prefix_hits, "checkpoint": ident,

@@ -95,6 +95,17 @@ def test_spec_engine_under_the_auto_policy(tmp_path: Path, capsys) -> None:
     assert json.loads(results.read_text().splitlines()[-1])["policy"] == "auto"
 
 
+def test_repeat_rounds_swap_engines_and_agree(tmp_path: Path, capsys) -> None:
+    """--repeat 2 under auto: both engines ran both sides, every round gave the first round's tokens,
+    and the row has the later rounds' speed-up and each engine's gate."""
+    results = tmp_path / "results.jsonl"
+    assert main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "2", "--max-new-tokens", "10",
+                 "--spec-k", "3", "--skip-hf", "--policy", "auto", "--repeat", "2", "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["repeat"] == 2 and row["repeat_identical"] is True and row["identical_spec"] == 1.0
+    assert row["speedup_after_first_round"] > 0 and len(row["gates"]) == 2
+
+
 def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
     """Lesson 1: no speculative figures from a checkpoint without trained drafter weights."""
     bare = tmp_path / "nodrafter"
