@@ -24,7 +24,8 @@ import torch
 
 from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
-    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, mlp_block, rms_norm,
+    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, fused_attention, fused_mlp, fused_step, mlp_block,
+    rms_norm,
 )
 from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, mamba2_prefill_at
 from specialists.ops.mamba2_steps import mamba2_multi_step, mamba2_verify
@@ -137,14 +138,23 @@ class BambaModel(DecoderBase):
             raise ValueError("a Bamba forward needs an SSMCache")
         h = self.embed[batch.input_ids]
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
+        fused = fused_step(h)  # decodes and verifies on CUDA in half precision: products with their neighbours
         for layer in self.layers:
+            if fused and layer.attn is not None:
+                i = layer.cache_index
+                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
+                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h)
+                continue
             x = rms_norm(h, layer.input_norm, self.eps)
             if layer.attn is not None:
                 i = layer.cache_index
                 h = h + attention_block(layer.attn, x, cos, sin, kv.k[i], kv.v[i], batch)
             else:
                 h = h + self._mamba(layer.mamba, layer.cache_index, x, batch, ssm)
-            h = h + mlp_block(layer.mlp, rms_norm(h, layer.pre_ff_norm, self.eps))
+            if fused:
+                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h)
+            else:
+                h = h + mlp_block(layer.mlp, rms_norm(h, layer.pre_ff_norm, self.eps))
         return rms_norm(h, self.norm, self.eps)
 
     __call__ = forward

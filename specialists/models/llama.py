@@ -20,7 +20,8 @@ from specialists.ops.attention import HALF, paged_attention, write_kv
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import linear
 
-__all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block"]
+__all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block",
+           "fused_step", "fused_attention", "fused_mlp"]
 
 
 class UnsupportedModelError(ValueError):
@@ -128,18 +129,12 @@ class MLPWeights:
                    g(prefix + "gate_proj.bias"), g(prefix + "up_proj.bias"), g(prefix + "down_proj.bias"))
 
 
-def attention_block(
-    w: AttentionWeights,
-    x: torch.Tensor,  # [T, d], normed
-    cos: torch.Tensor,  # [T, R]
-    sin: torch.Tensor,  # [T, R]
-    k_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
-    v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
-    batch: ForwardBatch,
-) -> torch.Tensor:  # [T, d]
-    T = x.shape[0]
-    qkv = linear(x, w.qkv, w.qkv_bias)
-    if x.is_cuda and x.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
+def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The fused q/k/v product [T, (H_q + 2 H_kv) D] -> attention output [T, H_q D]: RoPE on q and k,
+    k and v written to the pool at the batch's slots, q over its sequence's keys."""
+    T = qkv.shape[0]
+    if qkv.is_cuda and qkv.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
         from specialists.ops.rope_kv import rope_write_kv  # Triton: a GPU install has it
 
         q = rope_write_kv(qkv, cos, sin, k_cache_layer, v_cache_layer, batch.slot_mapping, w.num_heads,
@@ -150,12 +145,54 @@ def attention_block(
         q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
         write_kv(k, v.view(T, w.num_kv_heads, w.head_dim), k_cache_layer, v_cache_layer, batch.slot_mapping)
     o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
-    return linear(o.reshape(T, w.num_heads * w.head_dim), w.o_proj, w.o_bias)
+    return o.reshape(T, w.num_heads * w.head_dim)
+
+
+def attention_block(
+    w: AttentionWeights,
+    x: torch.Tensor,  # [T, d], normed
+    cos: torch.Tensor,  # [T, R]
+    sin: torch.Tensor,  # [T, R]
+    k_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    batch: ForwardBatch,
+) -> torch.Tensor:  # [T, d]
+    o = attend(w, linear(x, w.qkv, w.qkv_bias), cos, sin, k_cache_layer, v_cache_layer, batch)
+    return linear(o, w.o_proj, w.o_bias)
 
 
 def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T, d]
     gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, w.down_proj, w.down_bias)
+
+
+def fused_step(h: torch.Tensor) -> bool:
+    """A CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes, verifies): the
+    layers' products carry their norms, SwiGLU and residual adds (specialists/ops/decode_fused.py)."""
+    if not (h.is_cuda and h.dtype in HALF):
+        return False
+    from specialists.ops import decode_fused  # Triton: a GPU install has it
+
+    return decode_fused.enabled(h)
+
+
+def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch) -> None:
+    """h += attention_block(w, rms_norm(h) * gain, ...), in place (with fused_step): the o product
+    takes the residual as its GEMM's C operand."""
+    from specialists.ops import decode_fused
+
+    qkv = linear(decode_fused.rms_norm(h, gain, eps), w.qkv, w.qkv_bias)
+    decode_fused.add_product(h, attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch), w.o_proj, w.o_bias)
+
+
+def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor) -> None:
+    """h += mlp_block(w, rms_norm(h) * gain), in place (with fused_step): SiLU * up in one kernel, the
+    residual as the down product's C operand."""
+    from specialists.ops import decode_fused
+
+    gu = linear(decode_fused.rms_norm(h, gain, eps), w.gate_up, w.gate_up_bias)
+    decode_fused.add_product(h, decode_fused.silu_mul(gu), w.down_proj, w.down_bias)
 
 
 def head_dim_of(config: Any) -> int:
@@ -230,6 +267,11 @@ class LlamaModel(DecoderBase):
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
         if self.native is not None and not batch.static and h.device.type == "cpu":
             return self.native(batch, kv, h, cos, sin)
+        if fused_step(h):
+            for i, layer in enumerate(self.layers):
+                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
+                fused_mlp(layer.mlp, layer.post_norm, self.eps, h)
+            return rms_norm(h, self.norm, self.eps)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
             h = h + attention_block(layer.attn, x, cos, sin, kv.k[i], kv.v[i], batch)

@@ -1,0 +1,80 @@
+"""The pieces of the fused decode path (specialists/ops/decode_fused.py) against the torch ops they
+replace, per layer shape of the named real-size models, on CUDA in bf16, timed as CUDA graphs (what a
+decode step replays):
+
+  python -m bench.fused_products [--shapes llama-1b smollm2-135m] [--rows 1 4 8] [--results FILE]
+
+One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), silu_mul (F.silu(gate)
+* up against one kernel), o and down (linear then a residual add, against the GEMM with the residual
+as its C operand), with torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused
+side's weight bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import git_commit
+from bench.shapes import shape_config
+
+EPS = 1e-5
+
+
+def _pieces(cfg, m: int, dt) -> dict:
+    """piece -> (torch closure, fused closure, weight bytes or 0)."""
+    from specialists.ops import decode_fused as D
+
+    dev = "cuda"
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+    h = torch.randn(m, d, device=dev, dtype=dt)
+    g = torch.rand(d, device=dev, dtype=dt) + 0.5
+    gu = torch.randn(m, 2 * i, device=dev, dtype=dt)
+    out = {"norm": (lambda: F.rms_norm(h, (d,), g, EPS), lambda: D.rms_norm(h, g, EPS), 0),
+           "silu_mul": (lambda: F.silu(gu[:, :i]) * gu[:, i:], lambda: D.silu_mul(gu), 0)}
+    for name, k in (("o", cfg.num_attention_heads * hd), ("down", i)):
+        w = torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5
+        x = torch.randn(m, k, device=dev, dtype=dt)
+        res = torch.randn(m, d, device=dev, dtype=dt)
+        out[name] = (lambda x=x, w=w, res=res: res + F.linear(x, w),
+                     lambda x=x, w=w, res=res: D.add_product(res.clone(), x, w), d * k * 2)
+    return out
+
+
+def _time_us(fn) -> float:
+    import triton.testing
+
+    return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=50)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-3b", "smollm2-135m"])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
+    p.add_argument("--results", default=None)
+    args = p.parse_args(argv)
+    dt = torch.bfloat16
+    commit, device = git_commit(), torch.cuda.get_device_name()
+    for shape in args.shapes:
+        for m in args.rows:
+            for name, (torch_path, fused, nbytes) in _pieces(shape_config(shape), m, dt).items():
+                f_us = _time_us(fused)
+                row = {"bench": "fused_products", "shape": shape, "piece": name, "rows": m,
+                       "torch_us": round(_time_us(torch_path), 2), "fused_us": round(f_us, 2),
+                       "max_abs_diff": (torch_path().float() - fused().float()).abs().max().item(),
+                       "device_name": device, "commit": commit}
+                if nbytes:
+                    row.update(weight_mb=round(nbytes / 1e6, 2), fused_tb_s=round(nbytes / f_us / 1e6, 3))
+                line = json.dumps(row)
+                print(line, flush=True)
+                if args.results:
+                    with open(args.results, "a") as f:
+                        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
