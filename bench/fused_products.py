@@ -2,17 +2,21 @@
 replace, per layer shape of the named real-size models, on CUDA in bf16, timed as CUDA graphs (what a
 decode step replays):
 
-  python -m bench.fused_products [--shapes llama-1b smollm2-135m] [--rows 1 4 8] [--results FILE]
+  python -m bench.fused_products [--shapes llama-1b smollm2-135m] [--rows 1 4 8] [--sweep] [--results FILE]
 
 One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), silu_mul (F.silu(gate)
 * up against one kernel), o and down (linear then a residual add, against the GEMM with the residual
-as its C operand), with torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused
-side's weight bytes per second.
+as its C operand), and the one-sequence products through `gemv` with their neighbours (qkv and
+gate_up: RMSNorm + product; o: product + residual; down: SiLU * up + product + residual, against the
+torch ops), with torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's
+weight bytes per second. --sweep also times every tile configuration of gemv at one and four rows
+(sweep: [[config, us, us at four rows], ...]).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -42,6 +46,31 @@ def _pieces(cfg, m: int, dt) -> dict:
         res = torch.randn(m, d, device=dev, dtype=dt)
         out[name] = (lambda x=x, w=w, res=res: res + F.linear(x, w),
                      lambda x=x, w=w, res=res: D.add_product(res.clone(), x, w), d * k * 2)
+    out.update(_gemv_pieces(cfg, m, dt))
+    return out
+
+
+def _gemv_pieces(cfg, m: int, dt, config=None) -> dict:
+    from specialists.ops import decode_fused as D
+
+    dev = "cuda"
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+    nq = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+    h = torch.randn(m, d, device=dev, dtype=dt)
+    g = torch.rand(d, device=dev, dtype=dt) + 0.5
+    out = {}
+    for name, n in (("qkv_gemv", nq), ("gate_up_gemv", 2 * i)):
+        w = torch.randn(n, d, device=dev, dtype=dt) / d ** 0.5
+        out[name] = (lambda w=w: F.linear(F.rms_norm(h, (d,), g, EPS), w),
+                     lambda w=w: D.gemv(h, w, gain=g, eps=EPS, config=config), n * d * 2)
+    for name, k, swiglu in (("o_gemv", cfg.num_attention_heads * hd, False), ("down_gemv", i, True)):
+        w = torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5
+        x = torch.randn(m, 2 * k if swiglu else k, device=dev, dtype=dt)
+        a = (lambda x=x, k=k: F.silu(x[:, :k]) * x[:, k:]) if swiglu else (lambda x=x: x)
+        out[name] = (lambda w=w, a=a: h + F.linear(a(), w),
+                     lambda w=w, x=x, swiglu=swiglu: D.gemv(x, w, swiglu=swiglu, residual=h.clone(), config=config),
+                     d * k * 2)
     return out
 
 
@@ -51,15 +80,30 @@ def _time_us(fn) -> float:
     return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=50)
 
 
+def _sweep(cfg, dt) -> dict[str, list]:
+    """piece -> [[config, us at one row, us at four rows], ...] of gemv, every configuration."""
+    out: dict[str, list] = {}
+    for config in [c for c in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)) if c[0] * c[1] <= 4096]:
+        one, four = _gemv_pieces(cfg, 1, dt, config), _gemv_pieces(cfg, 4, dt, config)
+        for name in one:
+            try:
+                out.setdefault(name, []).append([config, round(_time_us(one[name][1]), 2), round(_time_us(four[name][1]), 2)])
+            except Exception:  # noqa: BLE001 - a configuration the compiler refuses (registers) is skipped
+                continue
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-3b", "smollm2-135m"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
+    p.add_argument("--sweep", action="store_true")
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
     dt = torch.bfloat16
     commit, device = git_commit(), torch.cuda.get_device_name()
     for shape in args.shapes:
+        best = _sweep(shape_config(shape), dt) if args.sweep else {}
         for m in args.rows:
             for name, (torch_path, fused, nbytes) in _pieces(shape_config(shape), m, dt).items():
                 f_us = _time_us(fused)
@@ -69,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                        "device_name": device, "commit": commit}
                 if nbytes:
                     row.update(weight_mb=round(nbytes / 1e6, 2), fused_tb_s=round(nbytes / f_us / 1e6, 3))
+                if name in best and m == 1:
+                    row["sweep"] = best[name]
                 line = json.dumps(row)
                 print(line, flush=True)
                 if args.results:

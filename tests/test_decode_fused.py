@@ -74,3 +74,33 @@ def test_norm_silu_and_residual_product_match_torch(m: int) -> None:
     out = h.clone()
     assert D.add_product(out, a, w) is out
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_with_its_neighbours_matches_torch(m: int) -> None:
+    g, w = _operands(40, 200, 30 + m)  # K not a multiple of the block: masked tails
+    x = torch.randn(m, 200, device=DEV, generator=g).to(DT)
+    gain = (torch.rand(200, device=DEV, generator=g) + 0.5).to(DT)
+    torch.testing.assert_close(D.gemv(x, w).float(), F.linear(x, w).float(), atol=TOL, rtol=TOL)
+    ref = F.linear(F.rms_norm(x, (200,), gain, 1e-5), w)
+    torch.testing.assert_close(D.gemv(x, w, gain=gain, eps=1e-5).float(), ref.float(), atol=TOL, rtol=TOL)
+    gu = torch.randn(m, 400, device=DEV, generator=g).to(DT)
+    h = torch.randn(m, 40, device=DEV, generator=g).to(DT)
+    ref = h + F.linear(F.silu(gu[:, :200]) * gu[:, 200:], w)
+    out = h.clone()
+    assert D.gemv(gu, w, swiglu=True, residual=out) is out
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
+
+
+def test_gemv_rows_do_not_depend_on_the_call() -> None:
+    g, w = _operands(24, 96, 5)
+    x = torch.randn(7, 96, device=DEV, generator=g).to(DT)
+    gain = torch.ones(96, device=DEV, dtype=DT)
+    together = D.gemv(x, w, gain=gain, eps=1e-6, config=(8, 32, 4))  # two launches: rows 0-3, 4-6
+    for i in range(7):  # each row alone sits in slot 0
+        assert torch.equal(D.gemv(x[i:i + 1], w, gain=gain, eps=1e-6, config=(8, 32, 4)), together[i:i + 1])
+    assert torch.equal(D.gemv(x[2:6], w, gain=gain, eps=1e-6, config=(8, 32, 4)), together[2:6])
+    with pytest.raises(ValueError, match="at most"):
+        D.gemv(torch.zeros(D.GEMV_ROWS + 1, 96, device=DEV, dtype=DT), w)
+    with pytest.raises(ValueError, match="row-major"):
+        D.gemv(x[:, :50], w)

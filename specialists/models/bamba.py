@@ -138,12 +138,12 @@ class BambaModel(DecoderBase):
             raise ValueError("a Bamba forward needs an SSMCache")
         h = self.embed[batch.input_ids]
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
-        fused = fused_step(h)  # decodes and verifies on CUDA in half precision: products with their neighbours
+        fused = fused_step(h, batch)  # decodes and verifies on CUDA in half precision: fewer kernels
         for layer in self.layers:
             if fused and layer.attn is not None:
                 i = layer.cache_index
-                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
-                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h)
+                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch, fused)
+                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h, fused)
                 continue
             x = rms_norm(h, layer.input_norm, self.eps)
             if layer.attn is not None:
@@ -152,7 +152,7 @@ class BambaModel(DecoderBase):
             else:
                 h = h + self._mamba(layer.mamba, layer.cache_index, x, batch, ssm)
             if fused:
-                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h)
+                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h, fused)
             else:
                 h = h + mlp_block(layer.mlp, rms_norm(h, layer.pre_ff_norm, self.eps))
         return rms_norm(h, self.norm, self.eps)

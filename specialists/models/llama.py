@@ -166,33 +166,51 @@ def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T
     return linear(F.silu(gate) * up, w.down_proj, w.down_bias)
 
 
-def fused_step(h: torch.Tensor) -> bool:
-    """A CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes, verifies): the
-    layers' products carry their norms, SwiGLU and residual adds (specialists/ops/decode_fused.py)."""
+def fused_step(h: torch.Tensor, batch: ForwardBatch) -> str | None:
+    """The fused path for a CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes,
+    verifies), or None: "gemv" for one sequence of at most GEMV_ROWS rows (batch 1: its decodes and
+    verifies run the same products, row by row), else "gemm" (specialists/ops/decode_fused.py)."""
     if not (h.is_cuda and h.dtype in HALF):
-        return False
+        return None
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
-    return decode_fused.enabled(h)
+    if not decode_fused.enabled(h):
+        return None
+    return "gemv" if batch.block_tables.shape[0] == 1 and h.shape[0] <= decode_fused.GEMV_ROWS else "gemm"
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gain: torch.Tensor, eps: float,
+             path: str) -> torch.Tensor:
+    """W @ (rms_norm(x) * gain) (+ bias) on the fused path."""
+    from specialists.ops import decode_fused
+
+    if path == "gemv" and bias is None:
+        return decode_fused.gemv(x, w, gain=gain, eps=eps)
+    return linear(decode_fused.rms_norm(x, gain, eps), w, bias)
+
+
+def _add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str,
+                 swiglu: bool = False) -> None:
+    """h += W @ x (+ bias), in place; swiglu: x = [gate | up] -> silu(gate) * up first."""
+    from specialists.ops import decode_fused
+
+    if path == "gemv" and bias is None:
+        decode_fused.gemv(x, w, swiglu=swiglu, residual=h)
+    else:
+        decode_fused.add_product(h, decode_fused.silu_mul(x) if swiglu else x, w, bias)
 
 
 def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch) -> None:
-    """h += attention_block(w, rms_norm(h) * gain, ...), in place (with fused_step): the o product
-    takes the residual as its GEMM's C operand."""
-    from specialists.ops import decode_fused
-
-    qkv = linear(decode_fused.rms_norm(h, gain, eps), w.qkv, w.qkv_bias)
-    decode_fused.add_product(h, attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch), w.o_proj, w.o_bias)
+                    sin: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch,
+                    path: str) -> None:
+    """h += attention_block(w, rms_norm(h) * gain, ...), in place, on fused_step's path."""
+    qkv = _product(h, w.qkv, w.qkv_bias, gain, eps, path)
+    _add_product(h, attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch), w.o_proj, w.o_bias, path)
 
 
-def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor) -> None:
-    """h += mlp_block(w, rms_norm(h) * gain), in place (with fused_step): SiLU * up in one kernel, the
-    residual as the down product's C operand."""
-    from specialists.ops import decode_fused
-
-    gu = linear(decode_fused.rms_norm(h, gain, eps), w.gate_up, w.gate_up_bias)
-    decode_fused.add_product(h, decode_fused.silu_mul(gu), w.down_proj, w.down_bias)
+def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, path: str) -> None:
+    """h += mlp_block(w, rms_norm(h) * gain), in place, on fused_step's path."""
+    _add_product(h, _product(h, w.gate_up, w.gate_up_bias, gain, eps, path), w.down_proj, w.down_bias, path, swiglu=True)
 
 
 def head_dim_of(config: Any) -> int:
@@ -267,10 +285,11 @@ class LlamaModel(DecoderBase):
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
         if self.native is not None and not batch.static and h.device.type == "cpu":
             return self.native(batch, kv, h, cos, sin)
-        if fused_step(h):
+        path = fused_step(h, batch)
+        if path:
             for i, layer in enumerate(self.layers):
-                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
-                fused_mlp(layer.mlp, layer.post_norm, self.eps, h)
+                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch, path)
+                fused_mlp(layer.mlp, layer.post_norm, self.eps, h, path)
             return rms_norm(h, self.norm, self.eps)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
