@@ -98,12 +98,15 @@ GEMV_ROWS = 8  # a step of one sequence with at most this many rows (a decode, a
 ROWS = 4  # rows per gemv launch at most (5..8 rows take two launches)
 
 
-def gemv_config(prologue: int) -> tuple[int, int, int]:
+def gemv_config(prologue: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of `gemv` by its prologue (0 none, 1 RMSNorm, 2 SiLU * up): the
     configurations with the least time at one row plus four rows at llama-1b's and llama-3b's shapes
     (bench.fused_products --sweep, H100, bench/results/fused_products.jsonl). 8 output rows per
     program spread a 2048-row weight over ~2 programs per SM without splitting K; tiles of at most
-    4096 weights keep four rows' accumulators in registers (a 16 x 1024 tile spilled: 4x the time)."""
+    4096 weights keep four rows' accumulators in registers (a 16 x 1024 tile spilled: 4x the time).
+    A narrow product (k <= 1024, SmolLM2's) takes blocks of 256 columns (no mostly-masked last block)."""
+    if prologue == 0 and k <= 1024:
+        return 8, 256, 4
     return ((8, 512, 4), (8, 256, 4), (8, 512, 8))[prologue]
 
 
@@ -207,7 +210,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, gain: torch.Tensor | None = None, 
         raise ValueError(f"gemv wants row-major operands: x {tuple(x.shape)}, w {tuple(w.shape)}")
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     pro = 2 if swiglu else (1 if gain is not None else 0)
-    bn, bk, warps = config or gemv_config(pro)
+    bn, bk, warps = config or gemv_config(pro, k)
     for r0 in range(0, m, ROWS):
         _gemv_kernel[(triton.cdiv(n, bn),)](
             x[r0:], w, out[r0:], gain if gain is not None else w, n, k, x.stride(0), w.stride(0), out.stride(0), eps,
