@@ -3,6 +3,7 @@ replace, per layer shape of the named real-size models, on CUDA in bf16, timed a
 decode step replays):
 
   python -m bench.fused_products [--shapes llama-1b smollm2-135m] [--rows 1 4 8] [--sweep] [--results FILE]
+                                 [--device cuda|cpu]
 
 One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), silu_mul (F.silu(gate)
 * up against one kernel), o and down (linear then a residual add, against the GEMM with the residual
@@ -10,7 +11,9 @@ as its C operand), and the one-sequence products through `gemv` with their neigh
 gate_up: RMSNorm + product; o: product + residual; down: SiLU * up + product + residual, against the
 torch ops), with torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's
 weight bytes per second. --sweep also times every tile configuration of gemv at one and four rows
-(sweep: [[config, us, us at four rows], ...]).
+(sweep: [[config, us, us at four rows], ...]). The fused side's time includes a copy of the residual
+it adds to in place. --device cpu runs the kernels through Triton's interpreter in fp32 (a check of
+the script and the kernels' agreement, not a timing).
 """
 
 from __future__ import annotations
@@ -18,21 +21,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import git_commit
+from bench.common import device_name, git_commit
 from bench.shapes import shape_config
 
 EPS = 1e-5
 
 
-def _pieces(cfg, m: int, dt) -> dict:
+def _pieces(cfg, m: int, dt, dev: str) -> dict:
     """piece -> (torch closure, fused closure, weight bytes or 0)."""
     from specialists.ops import decode_fused as D
 
-    dev = "cuda"
     d, i = cfg.hidden_size, cfg.intermediate_size
     hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     h = torch.randn(m, d, device=dev, dtype=dt)
@@ -46,14 +50,13 @@ def _pieces(cfg, m: int, dt) -> dict:
         res = torch.randn(m, d, device=dev, dtype=dt)
         out[name] = (lambda x=x, w=w, res=res: res + F.linear(x, w),
                      lambda x=x, w=w, res=res: D.add_product(res.clone(), x, w), d * k * 2)
-    out.update(_gemv_pieces(cfg, m, dt))
+    out.update(_gemv_pieces(cfg, m, dt, dev))
     return out
 
 
-def _gemv_pieces(cfg, m: int, dt, config=None) -> dict:
+def _gemv_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
     from specialists.ops import decode_fused as D
 
-    dev = "cuda"
     d, i = cfg.hidden_size, cfg.intermediate_size
     hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     nq = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
@@ -74,20 +77,25 @@ def _gemv_pieces(cfg, m: int, dt, config=None) -> dict:
     return out
 
 
-def _time_us(fn) -> float:
+def _time_us(fn, dev: str = "cuda") -> float:
+    if dev == "cpu":  # the interpreter: one call's wall time
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
     import triton.testing
 
     return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=50)
 
 
-def _sweep(cfg, dt) -> dict[str, list]:
+def _sweep(cfg, dt, dev: str) -> dict[str, list]:
     """piece -> [[config, us at one row, us at four rows], ...] of gemv, every configuration."""
     out: dict[str, list] = {}
     for config in [c for c in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)) if c[0] * c[1] <= 4096]:
-        one, four = _gemv_pieces(cfg, 1, dt, config), _gemv_pieces(cfg, 4, dt, config)
+        one, four = _gemv_pieces(cfg, 1, dt, dev, config), _gemv_pieces(cfg, 4, dt, dev, config)
         for name in one:
             try:
-                out.setdefault(name, []).append([config, round(_time_us(one[name][1]), 2), round(_time_us(four[name][1]), 2)])
+                out.setdefault(name, []).append([config, round(_time_us(one[name][1], dev), 2),
+                                                 round(_time_us(four[name][1], dev), 2)])
             except Exception:  # noqa: BLE001 - a configuration the compiler refuses (registers) is skipped
                 continue
     return out
@@ -99,16 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--results", default=None)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
-    dt = torch.bfloat16
-    commit, device = git_commit(), torch.cuda.get_device_name()
+    dev = args.device
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu needs TRITON_INTERPRET=1 in the environment (Triton's interpreter)")
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    commit, device = git_commit(), device_name(dev)
     for shape in args.shapes:
-        best = _sweep(shape_config(shape), dt) if args.sweep else {}
+        best = _sweep(shape_config(shape), dt, dev) if args.sweep else {}
         for m in args.rows:
-            for name, (torch_path, fused, nbytes) in _pieces(shape_config(shape), m, dt).items():
-                f_us = _time_us(fused)
-                row = {"bench": "fused_products", "shape": shape, "piece": name, "rows": m,
-                       "torch_us": round(_time_us(torch_path), 2), "fused_us": round(f_us, 2),
+            for name, (torch_path, fused, nbytes) in _pieces(shape_config(shape), m, dt, dev).items():
+                f_us = _time_us(fused, dev)
+                row = {"bench": "fused_products", "shape": shape, "piece": name, "rows": m, "dtype": str(dt)[6:],
+                       "torch_us": round(_time_us(torch_path, dev), 2), "fused_us": round(f_us, 2),
                        "max_abs_diff": (torch_path().float() - fused().float()).abs().max().item(),
                        "device_name": device, "commit": commit}
                 if nbytes:

@@ -104,3 +104,18 @@ def test_gemv_rows_do_not_depend_on_the_call() -> None:
         D.gemv(torch.zeros(D.GEMV_ROWS + 1, 96, device=DEV, dtype=DT), w)
     with pytest.raises(ValueError, match="row-major"):
         D.gemv(x[:, :50], w)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU run of the bench script (on a GPU it times)")
+def test_fused_products_bench_runs_and_agrees(tmp_path, capsys) -> None:
+    import json
+
+    from bench import fused_products
+
+    out = tmp_path / "rows.jsonl"
+    fused_products.main(["--shapes", "tiny-llama", "--rows", "1", "3", "--device", "cpu", "--results", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["piece"] for r in rows} == {"norm", "silu_mul", "o", "down", "qkv_gemv", "gate_up_gemv", "o_gemv", "down_gemv"}
+    assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 16
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows), [(r["piece"], r["max_abs_diff"]) for r in rows]
+    assert all(r["weight_mb"] > 0 for r in rows if r["piece"] not in ("norm", "silu_mul"))
