@@ -140,17 +140,13 @@ class BambaModel(DecoderBase):
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
         fused = fused_step(h, batch)  # decodes and verifies on CUDA in half precision: fewer kernels
         for layer in self.layers:
-            if fused and layer.attn is not None:
-                i = layer.cache_index
+            i = layer.cache_index
+            if layer.attn is not None and fused:
                 fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch, fused)
-                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h, fused)
-                continue
-            x = rms_norm(h, layer.input_norm, self.eps)
-            if layer.attn is not None:
-                i = layer.cache_index
-                h = h + attention_block(layer.attn, x, cos, sin, kv.k[i], kv.v[i], batch)
+            elif layer.attn is not None:
+                h = h + attention_block(layer.attn, rms_norm(h, layer.input_norm, self.eps), cos, sin, kv.k[i], kv.v[i], batch)
             else:
-                h = h + self._mamba(layer.mamba, layer.cache_index, x, batch, ssm)
+                h = h + self._mamba(layer.mamba, i, rms_norm(h, layer.input_norm, self.eps), batch, ssm)
             if fused:
                 fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h, fused)
             else:

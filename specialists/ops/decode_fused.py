@@ -30,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from specialists.ops.attention import HALF
+
 __all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "gemv", "gemv_config", "MAX_ROWS", "GEMV_ROWS"]
 
 MAX_ROWS = 64  # decodes and verifies of up to 8 sequences at K = 7 (prefills keep the torch ops)
-HALF = (torch.bfloat16, torch.float16)
 
 
 def enabled(x: torch.Tensor) -> bool:
