@@ -22,7 +22,8 @@ With --spec-k K (a separate pass, the device synchronized around every step and 
   spec_step_over_decode    median whole speculative step (chain, verify, accept, host) / plain step
   draft_over_target        median drafter chain seconds per draft / median 1-token target forward
   drafts_random            true for --shape: drafts of a random drafter, so only the cost ratios mean anything
-With --profile FILE: torch.profiler over 16 decode steps of the plain engine (bench/step_profile.py).
+With --profile FILE: torch.profiler over 16 decode steps of the plain engine (bench/step_profile.py); with
+--spec-k also over 16 steps of the speculative engine, into FILE's name + .spec (profile_spec).
 """
 
 from __future__ import annotations
@@ -167,4 +168,8 @@ def bound_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine:
     result.update(_step_figures(sides, batches, args))
     if args.profile is not None:
         result["profile"] = profile_decode(sides.engine, batches[0], PROFILE_STEPS, args.profile, args.device)
+        if sides.spec_engine is not None:  # and the speculative steps (chain, verify, accept) beside it
+            spec_path = args.profile.with_name(args.profile.stem + ".spec" + args.profile.suffix)
+            result["profile_spec"] = profile_decode(sides.spec_engine, batches[0], PROFILE_STEPS, spec_path, args.device,
+                                                    label="speculative engine")
     return result

@@ -1,19 +1,19 @@
 """The pieces of the fused decode path (specialists/ops/decode_fused.py) against the torch ops they
 replace, per layer shape of the named real-size models, on CUDA in bf16, timed as CUDA graphs (what a
-decode step replays):
+decode step replays) over enough copies of each weight that it streams from HBM, not from L2:
 
   python -m bench.fused_products [--shapes llama-1b smollm2-135m] [--rows 1 4 8] [--sweep] [--results FILE]
                                  [--device cuda|cpu]
 
 One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), silu_mul (F.silu(gate)
 * up against one kernel), o and down (linear then a residual add, against the GEMM with the residual
-as its C operand), and the one-sequence products through `gemv` with their neighbours (qkv and
-gate_up: RMSNorm + product; o: product + residual; down: SiLU * up + product + residual, against the
-torch ops), with torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's
-weight bytes per second. --sweep also times every tile configuration of gemv at one and four rows
-(sweep: [[config, us, us at four rows], ...]). The fused side's time includes a copy of the residual
-it adds to in place. --device cpu runs the kernels through Triton's interpreter in fp32 (a check of
-the script and the kernels' agreement, not a timing).
+as its C operand), and the products through `mma` with their neighbours (qkv and gate_up: RMSNorm +
+product; o: product + residual; down: SiLU * up + product + residual, against the torch ops), with
+torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's weight bytes per
+second. --sweep also times tile configurations of mma at one and four rows (sweep: [[config, us, us
+at four rows], ...], config = (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)). --device cpu runs
+the kernels through Triton's interpreter in fp32 (a check of the script and the kernels' agreement,
+not a timing).
 """
 
 from __future__ import annotations
@@ -31,10 +31,15 @@ from bench.common import device_name, git_commit
 from bench.shapes import shape_config
 
 EPS = 1e-5
+L2_BYTES = 160_000_000  # weights replayed per graph: > 3x an H100's 50 MB L2
+
+
+def _copies(nbytes: int, dev: str) -> int:
+    return 1 if dev == "cpu" else max(2, -(-L2_BYTES // nbytes))
 
 
 def _pieces(cfg, m: int, dt, dev: str) -> dict:
-    """piece -> (torch closure, fused closure, weight bytes or 0)."""
+    """piece -> (torch closures, fused closures, weight bytes or 0): one closure per weight copy."""
     from specialists.ops import decode_fused as D
 
     d, i = cfg.hidden_size, cfg.intermediate_size
@@ -42,19 +47,19 @@ def _pieces(cfg, m: int, dt, dev: str) -> dict:
     h = torch.randn(m, d, device=dev, dtype=dt)
     g = torch.rand(d, device=dev, dtype=dt) + 0.5
     gu = torch.randn(m, 2 * i, device=dev, dtype=dt)
-    out = {"norm": (lambda: F.rms_norm(h, (d,), g, EPS), lambda: D.rms_norm(h, g, EPS), 0),
-           "silu_mul": (lambda: F.silu(gu[:, :i]) * gu[:, i:], lambda: D.silu_mul(gu), 0)}
+    out = {"norm": ([lambda: F.rms_norm(h, (d,), g, EPS)], [lambda: D.rms_norm(h, g, EPS)], 0),
+           "silu_mul": ([lambda: F.silu(gu[:, :i]) * gu[:, i:]], [lambda: D.silu_mul(gu)], 0)}
     for name, k in (("o", cfg.num_attention_heads * hd), ("down", i)):
-        w = torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5
+        ws = [torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(_copies(d * k * 2, dev))]
         x = torch.randn(m, k, device=dev, dtype=dt)
         res = torch.randn(m, d, device=dev, dtype=dt)
-        out[name] = (lambda x=x, w=w, res=res: res + F.linear(x, w),
-                     lambda x=x, w=w, res=res: D.add_product(res.clone(), x, w), d * k * 2)
-    out.update(_gemv_pieces(cfg, m, dt, dev))
+        out[name] = ([lambda w=w, x=x, res=res: res + F.linear(x, w) for w in ws],
+                     [lambda w=w, x=x, res=res: D.add_product(res.clone(), x, w) for w in ws], d * k * 2)
+    out.update(_mma_pieces(cfg, m, dt, dev))
     return out
 
 
-def _gemv_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
+def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
     from specialists.ops import decode_fused as D
 
     d, i = cfg.hidden_size, cfg.intermediate_size
@@ -63,40 +68,56 @@ def _gemv_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
     h = torch.randn(m, d, device=dev, dtype=dt)
     g = torch.rand(d, device=dev, dtype=dt) + 0.5
     out = {}
-    for name, n in (("qkv_gemv", nq), ("gate_up_gemv", 2 * i)):
-        w = torch.randn(n, d, device=dev, dtype=dt) / d ** 0.5
-        out[name] = (lambda w=w: F.linear(F.rms_norm(h, (d,), g, EPS), w),
-                     lambda w=w: D.gemv(h, w, gain=g, eps=EPS, config=config), n * d * 2)
-    for name, k, swiglu in (("o_gemv", cfg.num_attention_heads * hd, False), ("down_gemv", i, True)):
-        w = torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5
+    for name, n in (("qkv_mma", nq), ("gate_up_mma", 2 * i)):
+        ws = [torch.randn(n, d, device=dev, dtype=dt) / d ** 0.5 for _ in range(_copies(n * d * 2, dev))]
+        out[name] = ([lambda w=w: F.linear(F.rms_norm(h, (d,), g, EPS), w) for w in ws],
+                     [lambda w=w: D.mma(h, w, gain=g, eps=EPS, config=config) for w in ws], n * d * 2)
+    for name, k, swiglu in (("o_mma", cfg.num_attention_heads * hd, False), ("down_mma", i, True)):
+        ws = [torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(_copies(d * k * 2, dev))]
         x = torch.randn(m, 2 * k if swiglu else k, device=dev, dtype=dt)
         a = (lambda x=x, k=k: F.silu(x[:, :k]) * x[:, k:]) if swiglu else (lambda x=x: x)
-        out[name] = (lambda w=w, a=a: h + F.linear(a(), w),
-                     lambda w=w, x=x, swiglu=swiglu: D.gemv(x, w, swiglu=swiglu, residual=h.clone(), config=config),
-                     d * k * 2)
+        out[name] = ([lambda w=w, a=a: h + F.linear(a(), w) for w in ws],
+                     [lambda w=w, x=x, swiglu=swiglu: D.mma(x, w, swiglu=swiglu, residual=h.clone(), config=config)
+                      for w in ws], d * k * 2)
     return out
 
 
-def _time_us(fn, dev: str = "cuda") -> float:
+def _time_us(fns: list, dev: str = "cuda") -> float:
+    """us per call: the calls (one per weight copy) captured as one CUDA graph, best of 3 x 20 replays."""
     if dev == "cpu":  # the interpreter: one call's wall time
         t0 = time.perf_counter()
-        fn()
+        fns[0]()
         return 1e6 * (time.perf_counter() - t0)
-    import triton.testing
-
-    return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=50)
+    for fn in fns:  # eager warm-up: compilation and lazy buffers outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, 1e3 * start.elapsed_time(end) / 20 / len(fns))
+    return best
 
 
 def _sweep(cfg, dt, dev: str) -> dict[str, list]:
-    """piece -> [[config, us at one row, us at four rows], ...] of gemv, every configuration."""
+    """piece -> [[config, us at one row, us at four rows], ...] of mma over a grid of configurations."""
     out: dict[str, list] = {}
-    for config in [c for c in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)) if c[0] * c[1] <= 4096]:
-        one, four = _gemv_pieces(cfg, 1, dt, dev, config), _gemv_pieces(cfg, 4, dt, dev, config)
+    for bn, bk, split in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8)):
+        config = (bn, bk, 4, 3, split)
+        one, four = _mma_pieces(cfg, 1, dt, dev, config), _mma_pieces(cfg, 4, dt, dev, config)
         for name in one:
             try:
                 out.setdefault(name, []).append([config, round(_time_us(one[name][1], dev), 2),
                                                  round(_time_us(four[name][1], dev), 2)])
-            except Exception:  # noqa: BLE001 - a configuration the compiler refuses (registers) is skipped
+            except Exception:  # noqa: BLE001 - a configuration the compiler refuses (shared memory) is skipped
                 continue
     return out
 
@@ -121,10 +142,11 @@ def main(argv: list[str] | None = None) -> None:
                 f_us = _time_us(fused, dev)
                 row = {"bench": "fused_products", "shape": shape, "piece": name, "rows": m, "dtype": str(dt)[6:],
                        "torch_us": round(_time_us(torch_path, dev), 2), "fused_us": round(f_us, 2),
-                       "max_abs_diff": (torch_path().float() - fused().float()).abs().max().item(),
+                       "max_abs_diff": (torch_path[0]().float() - fused[0]().float()).abs().max().item(),
                        "device_name": device, "commit": commit}
                 if nbytes:
-                    row.update(weight_mb=round(nbytes / 1e6, 2), fused_tb_s=round(nbytes / f_us / 1e6, 3))
+                    row.update(weight_mb=round(nbytes / 1e6, 2), fused_tb_s=round(nbytes / f_us / 1e6, 3),
+                               weight_copies=len(fused))
                 if name in best and m == 1:
                     row["sweep"] = best[name]
                 line = json.dumps(row)

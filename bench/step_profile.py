@@ -51,7 +51,8 @@ def _table(prof: Any, cuda: bool) -> str:
     return prof.key_averages().table(row_limit=60)
 
 
-def profile_decode(engine: Any, prompts: list[list[int]], steps: int, path: Path, device: str) -> dict:
+def profile_decode(engine: Any, prompts: list[list[int]], steps: int, path: Path, device: str,
+                   label: str = "plain engine") -> dict:
     """Prefills `prompts` in one engine step, profiles the next `steps` steps (decode only), finishes
     the requests; writes the table to `path` and returns the per-step summary."""
     from specialists.sampling import SamplingParams
@@ -75,5 +76,5 @@ def profile_decode(engine: Any, prompts: list[list[int]], steps: int, path: Path
         engine.step()
     summary = {**_summary(prof, steps, wall), "decode_steps": per_step}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# {json.dumps(summary)}\n# {len(prompts)} sequences decoding, plain engine\n\n" + _table(prof, cuda) + "\n")
+    path.write_text(f"# {json.dumps(summary)}\n# {len(prompts)} sequences decoding, {label}\n\n" + _table(prof, cuda) + "\n")
     return summary

@@ -90,6 +90,7 @@ def test_shape_result_line(tmp_path: Path, capsys, shape: str) -> None:
     assert result["timed_steps"]["verify"] >= 1 and result["timed_steps"]["decode"] >= 1
     assert result["profile"]["steps"] == 16 and result["profile"]["wall_ms_per_step"] > 0
     assert "Name" in prof.read_text()
+    assert result["profile_spec"]["steps"] == 16 and "speculative engine" in (tmp_path / "prof.spec.txt").read_text()
     row = json.loads(results.read_text().splitlines()[-1])
     assert row["checkpoint"]["shape"] == shape and row["checkpoint"]["random_weights"] is True
 

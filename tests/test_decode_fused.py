@@ -76,34 +76,56 @@ def test_norm_silu_and_residual_product_match_torch(m: int) -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_gemv_with_its_neighbours_matches_torch(m: int) -> None:
-    g, w = _operands(40, 200, 30 + m)  # K not a multiple of the block: masked tails
+@pytest.mark.parametrize("m,config", [(1, None), (5, (16, 64, 4, 2, 3)), (20, (32, 32, 4, 3, 2))])
+def test_mma_with_its_neighbours_matches_torch(m: int, config) -> None:
+    g, w = _operands(40, 200, 40 + m)  # K not a multiple of the block nor of the split: masked tails
     x = torch.randn(m, 200, device=DEV, generator=g).to(DT)
     gain = (torch.rand(200, device=DEV, generator=g) + 0.5).to(DT)
-    torch.testing.assert_close(D.gemv(x, w).float(), F.linear(x, w).float(), atol=TOL, rtol=TOL)
-    ref = F.linear(F.rms_norm(x, (200,), gain, 1e-5), w)
-    torch.testing.assert_close(D.gemv(x, w, gain=gain, eps=1e-5).float(), ref.float(), atol=TOL, rtol=TOL)
+    bias = torch.randn(40, device=DEV, generator=g).to(DT)
+    torch.testing.assert_close(D.mma(x, w, config=config).float(), F.linear(x, w).float(), atol=TOL, rtol=TOL)
+    ref = F.linear(F.rms_norm(x, (200,), gain, 1e-5), w, bias)
+    torch.testing.assert_close(D.mma(x, w, bias, gain=gain, eps=1e-5, config=config).float(), ref.float(), atol=TOL, rtol=TOL)
     gu = torch.randn(m, 400, device=DEV, generator=g).to(DT)
     h = torch.randn(m, 40, device=DEV, generator=g).to(DT)
     ref = h + F.linear(F.silu(gu[:, :200]) * gu[:, 200:], w)
     out = h.clone()
-    assert D.gemv(gu, w, swiglu=True, residual=out) is out
+    assert D.mma(gu, w, swiglu=True, residual=out, config=config) is out
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
 
 
-def test_gemv_rows_do_not_depend_on_the_call() -> None:
-    g, w = _operands(24, 96, 5)
-    x = torch.randn(7, 96, device=DEV, generator=g).to(DT)
-    gain = torch.ones(96, device=DEV, dtype=DT)
-    together = D.gemv(x, w, gain=gain, eps=1e-6, config=(8, 32, 4))  # two launches: rows 0-3, 4-6
-    for i in range(7):  # each row alone sits in slot 0
-        assert torch.equal(D.gemv(x[i:i + 1], w, gain=gain, eps=1e-6, config=(8, 32, 4)), together[i:i + 1])
-    assert torch.equal(D.gemv(x[2:6], w, gain=gain, eps=1e-6, config=(8, 32, 4)), together[2:6])
+@pytest.mark.parametrize("split", [1, 4])
+def test_mma_rows_do_not_depend_on_the_call(split: int) -> None:
+    """A row's product is the same bits alone, in any slot and among other rows, with K split or not,
+    and again on a second call (the split's counters reset). Across tiles of 16, 32 and 64 rows the
+    tensor cores give the same bits too (CUDA); the interpreter's numpy products only agree closely."""
+    g, w = _operands(48, 256, 6)
+    x = torch.randn(40, 256, device=DEV, generator=g).to(DT)
+    gain = (torch.rand(256, device=DEV, generator=g) + 0.5).to(DT)
+    config = (16, 32, 4, 2, split)
+
+    def prod(rows):
+        return D.mma(x[rows], w, gain=gain, eps=1e-6, config=config)
+
+    tile16, together = prod(slice(0, 16)), prod(slice(0, 40))  # tiles of 16 and 64 rows
+    for i in (0, 3, 15):  # alone (slot 0) against its slot among 16
+        assert torch.equal(prod(slice(i, i + 1)), tile16[i:i + 1])
+    assert torch.equal(prod(slice(2, 6)), tile16[2:6]) and torch.equal(prod(slice(0, 40)), together)
+    for rows in (slice(0, 16), slice(5, 30), slice(39, 40)):
+        if CUDA:
+            assert torch.equal(prod(rows), together[rows])
+        else:
+            torch.testing.assert_close(prod(rows), together[rows], atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="at most"):
-        D.gemv(torch.zeros(D.GEMV_ROWS + 1, 96, device=DEV, dtype=DT), w)
+        D.mma(torch.zeros(D.MAX_ROWS + 1, 256, device=DEV, dtype=DT), w)
     with pytest.raises(ValueError, match="row-major"):
-        D.gemv(x[:, :50], w)
+        D.mma(x[:, :50], w)
+
+
+def test_mma_config_depends_on_the_weight_alone() -> None:
+    assert D.mma_config(2, 2048, 8192) == (64, 128, 8, 3, 8)  # measured (llama-1b's down)
+    bn, bk, _, _, split = D.mma_config(0, 4096, 4096)  # the rule: ~256 programs, >= 256 columns a split
+    assert (bn, bk, split) == (64, 128, 4) and D.mma_config(1, 4096, 4096)[4] == 4  # 64 blocks x 4
+    assert D.mma_config(1, 65536, 4096)[4] == 1 and D.mma_config(0, 512, 16384)[4] == 8
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU run of the bench script (on a GPU it times)")
@@ -115,7 +137,7 @@ def test_fused_products_bench_runs_and_agrees(tmp_path, capsys) -> None:
     out = tmp_path / "rows.jsonl"
     fused_products.main(["--shapes", "tiny-llama", "--rows", "1", "3", "--device", "cpu", "--results", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["piece"] for r in rows} == {"norm", "silu_mul", "o", "down", "qkv_gemv", "gate_up_gemv", "o_gemv", "down_gemv"}
+    assert {r["piece"] for r in rows} == {"norm", "silu_mul", "o", "down", "qkv_mma", "gate_up_mma", "o_mma", "down_mma"}
     assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 16
     assert all(r["max_abs_diff"] < 1e-4 for r in rows), [(r["piece"], r["max_abs_diff"]) for r in rows]
     assert all(r["weight_mb"] > 0 for r in rows if r["piece"] not in ("norm", "silu_mul"))

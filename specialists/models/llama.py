@@ -168,15 +168,15 @@ def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T
 
 def fused_step(h: torch.Tensor, batch: ForwardBatch) -> str | None:
     """The fused path for a CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes,
-    verifies), or None: "gemv" for one sequence of at most GEMV_ROWS rows (batch 1: its decodes and
-    verifies run the same products, row by row), else "gemm" (specialists/ops/decode_fused.py)."""
+    verifies), or None: "mma" for at most MMA_ROWS rows (a row's products are the same bits at any row
+    count: a verify computes its decodes' products), else "gemm" (specialists/ops/decode_fused.py)."""
     if not (h.is_cuda and h.dtype in HALF):
         return None
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
     if not decode_fused.enabled(h):
         return None
-    return "gemv" if batch.block_tables.shape[0] == 1 and h.shape[0] <= decode_fused.GEMV_ROWS else "gemm"
+    return "mma" if h.shape[0] <= decode_fused.MMA_ROWS else "gemm"
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gain: torch.Tensor, eps: float,
@@ -184,8 +184,8 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gain: 
     """W @ (rms_norm(x) * gain) (+ bias) on the fused path."""
     from specialists.ops import decode_fused
 
-    if path == "gemv" and bias is None:
-        return decode_fused.gemv(x, w, gain=gain, eps=eps)
+    if path == "mma":
+        return decode_fused.mma(x, w, bias, gain=gain, eps=eps)
     return linear(decode_fused.rms_norm(x, gain, eps), w, bias)
 
 
@@ -194,8 +194,8 @@ def _add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.
     """h += W @ x (+ bias), in place; swiglu: x = [gate | up] -> silu(gate) * up first."""
     from specialists.ops import decode_fused
 
-    if path == "gemv" and bias is None:
-        decode_fused.gemv(x, w, swiglu=swiglu, residual=h)
+    if path == "mma":
+        decode_fused.mma(x, w, bias, swiglu=swiglu, residual=h)
     else:
         decode_fused.add_product(h, decode_fused.silu_mul(x) if swiglu else x, w, bias)
 

@@ -5,21 +5,24 @@ A Llama layer's step at a few rows was 15 kernels on torch ops: two RMSNorms (to
 GEMMs (at one row 1.4-2.6 TB/s, some split-K with a reduction kernel). At real sizes the gaps between
 kernels and the small kernels' fixed cost held a 1B model at 2.3x its bandwidth bound. Two paths:
 
-  gemv (one sequence, at most GEMV_ROWS rows: batch 1's decodes and verifies): four products per
-      layer, each a Triton kernel that streams its weight rows over the whole K and carries its
-      neighbours: RMSNorm before q/k/v and gate/up, SiLU * up before down, the residual add after o
-      and down (in place). A layer is 7 kernels with RoPE + KV write and the two attention kernels.
-      Rows run the same instructions whatever their number or slot, so a verify of K+1 tokens
-      computes exactly what the decodes of those tokens compute (the exactness contract).
-  gemm (more sequences, at most MAX_ROWS rows): cuBLAS products, with rms_norm and silu_mul as one
-      Triton kernel each and the residual as the GEMM's C operand (add_product: no add kernel).
+  mma (at most MMA_ROWS rows: batch 1's decodes and verifies, batch 8's decodes and K = 3 verifies):
+      four products per layer, each a Triton kernel on the tensor cores that carries its neighbours:
+      RMSNorm before q/k/v and gate/up, SiLU * up before down, the residual add after o and down (in
+      place). A layer is 7 kernels with RoPE + KV write and the two attention kernels. The rows sit in
+      a tile of 16, 32 or 64 (the rest zeros) and the weights stream once, so 1 to 16 rows cost the
+      same (llama-1b's layer: 59.4 us at one row, 59.8 at eight; bench/RESULTS.md). Every row runs the
+      same instructions whatever the row count, its slot or the tile (the tensor cores accumulate a
+      row's products alike in each), and K splits by the weight's shape alone with the partials summed
+      in order: a verify of K+1 tokens computes exactly what the decodes of those tokens compute, and a
+      request's tokens do not depend on the batch it shares (the exactness contract).
+  gemm (MMA_ROWS < rows <= MAX_ROWS): cuBLAS products, with rms_norm and silu_mul as one Triton
+      kernel each and the residual as the GEMM's C operand (add_product: no add kernel).
 
-The rounding follows the torch ops replaced: the normed input, the SiLU and its product are rounded
-to the model's dtype before a product; products accumulate in fp32 and are rounded before the
-residual add. The gemv's cost: a verify of 4 rows streams the weights once but multiplies them into
-four accumulators, 1.6-2x a one-row product (bench/RESULTS.md). Prefills keep the torch ops. With
-TRITON_INTERPRET=1 the kernels run on CPU tensors (tests). CANTATA_FUSED_DECODE=0 turns both paths off
-(A/B runs).
+The rounding: the SiLU and its product are rounded to the model's dtype before a product, as the torch
+ops round; under the RMSNorm, x * gain is rounded and the product scaled by the row's rsqrt(mean(x^2)
++ eps) after (the norm's sum of squares accumulates in the same pass over x); products accumulate in
+fp32 and are rounded before the residual add. Prefills keep the torch ops. With TRITON_INTERPRET=1
+the kernels run on CPU tensors (tests). CANTATA_FUSED_DECODE=0 turns both paths off (A/B runs).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import triton.language as tl
 
 from specialists.ops.attention import HALF
 
-__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "gemv", "gemv_config", "MAX_ROWS", "GEMV_ROWS"]
+__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "MAX_ROWS", "MMA_ROWS"]
 
 MAX_ROWS = 64  # decodes and verifies of up to 8 sequences at K = 7 (prefills keep the torch ops)
 
@@ -95,126 +98,141 @@ def add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.T
     return h
 
 
-GEMV_ROWS = 8  # a step of one sequence with at most this many rows (a decode, a verify of K+1) uses `gemv`
-ROWS = 4  # rows per gemv launch at most (5..8 rows take two launches)
+MMA_ROWS = 32  # a step of at most this many rows uses `mma` (above, cuBLAS is faster: `gemm`)
+
+# (prologue, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the least time at one row in
+# a sweep on an H100 (.probe sweep, L2-cold weights; bench/results/fused_products.jsonl)
+_MMA_MEASURED = {
+    (1, 3072, 2048): (64, 256, 4, 3, 2), (1, 16384, 2048): (64, 256, 4, 2, 1),  # llama-1b qkv, gate/up
+    (0, 2048, 2048): (64, 128, 4, 4, 4), (2, 2048, 8192): (64, 128, 8, 3, 8),  # llama-1b o, down
+    (1, 960, 576): (64, 256, 4, 6, 1), (1, 3072, 576): (64, 256, 4, 4, 1),  # smollm2-135m
+    (0, 576, 576): (16, 128, 4, 6, 1), (2, 576, 1536): (64, 128, 4, 4, 8),
+}
 
 
-def gemv_config(prologue: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of `gemv` by its prologue (0 none, 1 RMSNorm, 2 SiLU * up): the
-    configurations with the least time at one row plus four rows at llama-1b's and llama-3b's shapes
-    (bench.fused_products --sweep, H100, bench/results/fused_products.jsonl). 8 output rows per
-    program spread a 2048-row weight over ~2 programs per SM without splitting K; tiles of at most
-    4096 weights keep four rows' accumulators in registers (a 16 x 1024 tile spilled: 4x the time).
-    A narrow product (k <= 1024, SmolLM2's) takes blocks of 256 columns (no mostly-masked last block)."""
-    if prologue == 0 and k <= 1024:
-        return 8, 256, 4
-    return ((8, 512, 4), (8, 256, 4), (8, 512, 8))[prologue]
+def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of `mma`: measured for the named shapes, else
+    64 outputs a program and K split until ~256 programs (a program streams ~20 GB/s: a 2048-row
+    weight in 32 programs reads at 0.65 TB/s), keeping >= 1024 columns a split under an RMSNorm (its
+    products are wide) and >= 256 otherwise. The choice depends on the weight alone, never on the
+    row count: a row's result is then the same at every M."""
+    hit = _MMA_MEASURED.get((prologue, n, k))
+    if hit:
+        return hit
+    split, least = 1, (1024 if prologue == 1 else 256)
+    while split < 8 and triton.cdiv(n, 64) * split * 2 <= 256 and k // (split * 2) >= least:
+        split *= 2
+    return 64, 256 if prologue == 1 else 128, 4, 3, split
 
 
-@triton.jit
-def _mean_square_scale(xrow, K: tl.constexpr, BLOCK_K: tl.constexpr, eps):
-    """rsqrt(mean(x^2) + eps) of one row (a few KB: L2)."""
-    ss = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(xrow + rk, mask=rk < K, other=0.0).to(tl.float32)
-        ss += xv * xv
-    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+_LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
-@triton.jit
-def _operand(xrow, g_ptr, rk, mk, rs, K: tl.constexpr, PRO: tl.constexpr, dt: tl.constexpr):
-    """Columns rk of one row's product input, fp32: x, rms_norm(x) * g (PRO 1, rs its scale) or
-    silu(gate) * up (PRO 2), each rounded to the model's dtype as the torch ops round."""
-    if PRO == 2:
-        gate = tl.load(xrow + rk, mask=mk, other=0.0).to(tl.float32)
-        up = tl.load(xrow + K + rk, mask=mk, other=0.0).to(tl.float32)
-        a = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt)
-    elif PRO == 1:
-        xv = tl.load(xrow + rk, mask=mk, other=0.0).to(tl.float32)
-        a = (xv * rs * tl.load(g_ptr + rk, mask=mk, other=0.0).to(tl.float32)).to(dt)
-    else:
-        a = tl.load(xrow + rk, mask=mk, other=0.0)
-    return a.to(tl.float32)
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Per-column-block arrival counters of the split-K programs, zero between calls (the last
+    program of a block resets its counter)."""
+    t = _LOCKS.get(device)
+    if t is None or t.numel() < n:
+        t = _LOCKS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return t
 
 
 @triton.jit
-def _finish(acc, optr, mn, RES: tl.constexpr, dt: tl.constexpr):
-    y = tl.sum(acc, axis=1).to(dt)
+def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, dt: tl.constexpr):
+    """out = round(acc (+ bias)), or out = round(out + round(acc (+ bias))) with the residual."""
+    if BIAS:
+        acc += tl.load(bptr, mask=mn, other=0.0).to(tl.float32)[:, None]
+    y = acc.to(dt)
     if RES:
-        y = (tl.load(optr, mask=mn, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
-    tl.store(optr, y, mask=mn)
+        y = (tl.load(optr, mask=mo, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
+    tl.store(optr, y, mask=mo)
 
 
-@triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, g_ptr, N, K: tl.constexpr, stride_x, stride_w, stride_out, eps,
-                 PRO: tl.constexpr, RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """One program per BLOCK_N outputs streams its weight rows over the whole K once and multiplies
-    each tile into ROWS (1..4) rows, one accumulator each, every row with the same instructions: a
-    row's result depends on neither ROWS nor its slot (a verify computes its decodes' products)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit(do_not_specialize=["M", "N"])
+def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x,
+                stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
+    """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
+    and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor cores (rows past
+    M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column block to arrive
+    sums the SPLIT partials in order and finishes. Every row runs the same instructions whatever M
+    and its slot, so a row's result depends on neither."""
+    pn = tl.program_id(0)
+    pk = tl.program_id(1)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
     mn = rn < N
+    mm = rm < M
     dt = w_ptr.dtype.element_ty
     wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_w
-    x1, x2, x3 = x_ptr + stride_x, x_ptr + 2 * stride_x, x_ptr + 3 * stride_x
-    rs0 = 1.0
-    rs1 = 1.0
-    rs2 = 1.0
-    rs3 = 1.0
-    if PRO == 1:
-        rs0 = _mean_square_scale(x_ptr, K, BLOCK_K, eps)
-        if ROWS > 1:
-            rs1 = _mean_square_scale(x1, K, BLOCK_K, eps)
-        if ROWS > 2:
-            rs2 = _mean_square_scale(x2, K, BLOCK_K, eps)
-        if ROWS > 3:
-            rs3 = _mean_square_scale(x3, K, BLOCK_K, eps)
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+    xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, KS, BLOCK_K):
+        rk = pk * KS + k0 + tl.arange(0, BLOCK_K)  # past K: masked (zeros)
         mk = rk < K
-        w = tl.load(wrow + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        acc0 += w * _operand(x_ptr, g_ptr, rk, mk, rs0, K, PRO, dt)[None, :]
-        if ROWS > 1:
-            acc1 += w * _operand(x1, g_ptr, rk, mk, rs1, K, PRO, dt)[None, :]
-        if ROWS > 2:
-            acc2 += w * _operand(x2, g_ptr, rk, mk, rs2, K, PRO, dt)[None, :]
-        if ROWS > 3:
-            acc3 += w * _operand(x3, g_ptr, rk, mk, rs3, K, PRO, dt)[None, :]
-    _finish(acc0, out_ptr + rn, mn, RES, dt)
-    if ROWS > 1:
-        _finish(acc1, out_ptr + stride_out + rn, mn, RES, dt)
-    if ROWS > 2:
-        _finish(acc2, out_ptr + 2 * stride_out + rn, mn, RES, dt)
-    if ROWS > 3:
-        _finish(acc3, out_ptr + 3 * stride_out + rn, mn, RES, dt)
+        w = tl.load(wrow + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        mx = mm[:, None] & mk[None, :]
+        if PRO == 2:
+            gate = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
+            up = tl.load(xrow + K + rk[None, :], mask=mx, other=0.0).to(tl.float32)
+            a = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt)
+        elif PRO == 1:
+            xv = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, axis=1)
+            a = (xv * tl.load(g_ptr + rk, mask=mk, other=0.0).to(tl.float32)[None, :]).to(dt)
+        else:
+            a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
+        acc = tl.dot(w, tl.trans(a), acc)
+    last = True
+    if SPLIT > 1:
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]
+        tl.store(ws_ptr + (pn * SPLIT + pk) * BLOCK_N * BLOCK_M + tile, acc)
+        if PRO == 1:
+            tl.store(ss_ptr + (pn * SPLIT + pk) * BLOCK_M + rm, ss)
+        tl.debug_barrier()
+        last = tl.atomic_add(lock_ptr + pn, 1, sem="acq_rel") == SPLIT - 1
+        if last:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            ss = tl.zeros((BLOCK_M,), tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(ws_ptr + (pn * SPLIT + s) * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
+                if PRO == 1:
+                    ss += tl.load(ss_ptr + (pn * SPLIT + s) * BLOCK_M + rm, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + pn, 0)
+    if last:
+        if PRO == 1:
+            acc = acc * tl.rsqrt(ss / K + eps)[None, :]
+        _store_rows(acc, out_ptr + rm[None, :] * stride_out + rn[:, None], mn[:, None] & mm[None, :], b_ptr + rn, mn,
+                    RES, BIAS, dt)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, *, gain: torch.Tensor | None = None, eps: float = 0.0,
-         swiglu: bool = False, residual: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Weight products of a few rows (at most GEMV_ROWS): one program per BLOCK_N outputs streams its
-    weight rows over the whole K (no split-K, no reduction kernel), up to ROWS rows a launch, with the
-    neighbours carried: x [M, K] (gain given: rms_norm(x) * gain; swiglu: x = [gate | up] [M, 2K] ->
-    silu(gate) * up) -> W @ a [M, N]; with `residual` [M, N] the result is added to it in place (and
-    it is returned). A row's result does not depend on the other rows (a verify computes its decodes'
-    products, bit for bit)."""
+def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
+        eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None,
+        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Weight products of up to MAX_ROWS rows with their neighbours carried: x [M, K] (gain given:
+    rms_norm(x) * gain; swiglu: x = [gate | up] [M, 2K] -> silu(gate) * up) -> W @ a (+ bias) [M, N];
+    with `residual` [M, N] the result is added to it in place (and it is returned). A row's result
+    does not depend on the other rows nor on M (a verify computes its decodes' products, bit for bit)."""
     m = x.shape[0]
     n, k = w.shape
-    if m > GEMV_ROWS:
-        raise ValueError(f"gemv takes at most {GEMV_ROWS} rows, got {m}")
+    if m > MAX_ROWS:
+        raise ValueError(f"mma takes at most {MAX_ROWS} rows, got {m}")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or x.shape[1] != (2 * k if swiglu else k):
-        raise ValueError(f"gemv wants row-major operands: x {tuple(x.shape)}, w {tuple(w.shape)}")
+        raise ValueError(f"mma wants row-major operands: x {tuple(x.shape)}, w {tuple(w.shape)}")
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     pro = 2 if swiglu else (1 if gain is not None else 0)
-    bn, bk, warps = config or gemv_config(pro, k)
-    for r0 in range(0, m, ROWS):
-        _gemv_kernel[(triton.cdiv(n, bn),)](
-            x[r0:], w, out[r0:], gain if gain is not None else w, n, k, x.stride(0), w.stride(0), out.stride(0), eps,
-            PRO=pro, RES=residual is not None,
-            ROWS=min(ROWS, m - r0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    bn, bk, warps, stages, split = config or mma_config(pro, n, k)
+    bm = max(16, triton.next_power_of_2(m))
+    stages = max(1, min(stages, 200_000 // ((bn + bm * (2 if swiglu else 1)) * bk * x.element_size())))
+    blocks = triton.cdiv(n, bn)
+    ws = ss = locks = out
+    if split > 1:
+        ws = torch.empty(blocks * split * bn * bm, dtype=torch.float32, device=x.device)
+        ss = torch.empty(blocks * split * bm, dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, blocks)
+    _mma_kernel[(blocks, split)](
+        x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
+        x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+        KS=triton.cdiv(triton.cdiv(k, split), bk) * bk, num_warps=warps, num_stages=stages)
     return out
