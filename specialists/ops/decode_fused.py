@@ -138,9 +138,6 @@ def _pdl(device: torch.device) -> bool:
     return _PDL[device]
 
 
-_AHEAD = int(os.environ.get("CANTATA_PDL_AHEAD", "2"))  # A/B only (temporary)
-
-
 def _locks(device: torch.device, n: int) -> torch.Tensor:
     """Per-column-block arrival counters of the split-K programs, zero between calls (the last
     program of a block resets its counter)."""
@@ -162,14 +159,13 @@ def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, 
 
 
 @triton.jit
-def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                  AHEAD: tl.constexpr):
+def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """With programmatic dependent launch: lets the next kernel launch, asks L2 for this program's
     weight slice (one prefetch per 128-byte line) while the kernel before still runs, then waits for
     that kernel (its writes are this one's inputs). Without: nothing (the stream orders the kernels)."""
     if PDL:
         gdc_launch_dependents()
-        for c0 in range(0, min(KS, AHEAD * BLOCK_K), BLOCK_K):
+        for c0 in range(0, KS, BLOCK_K):
             cols = pk * KS + c0 + tl.arange(0, BLOCK_K // 64) * 64
             ptrs = tl.where(mn[:, None] & (cols < K)[None, :], wrow + cols[None, :], w_ptr)
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
@@ -180,8 +176,7 @@ def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_
 @triton.jit(do_not_specialize=["M", "N"])
 def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x,
                 stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr,
-                AHEAD: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
     and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor cores (rows past
     M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column block to arrive
@@ -196,7 +191,7 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     dt = w_ptr.dtype.element_ty
     wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    _await_inputs(w_ptr, wrow, mn, pk, K, KS, BLOCK_K, PDL, AHEAD)
+    _await_inputs(w_ptr, wrow, mn, pk, K, KS, BLOCK_K, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, KS, BLOCK_K):
@@ -266,5 +261,5 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     _mma_kernel[(blocks, split)](
         x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
         x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-        KS=triton.cdiv(triton.cdiv(k, split), bk) * bk, PDL=pdl, AHEAD=_AHEAD, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        KS=triton.cdiv(triton.cdiv(k, split), bk) * bk, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
