@@ -32,7 +32,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specialists.ops.attention import HALF
 
@@ -127,15 +126,6 @@ def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-_PDL: dict[torch.device, bool] = {}
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch for `mma` (Hopper and later; CANTATA_PDL=0 turns it off)."""
-    if device not in _PDL:
-        _PDL[device] = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-                        and os.environ.get("CANTATA_PDL", "1") != "0")
-    return _PDL[device]
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
@@ -158,25 +148,10 @@ def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, 
     tl.store(optr, y, mask=mo)
 
 
-@triton.jit
-def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """With programmatic dependent launch: lets the next kernel launch, asks L2 for this program's
-    weight slice (one prefetch per 128-byte line) while the kernel before still runs, then waits for
-    that kernel (its writes are this one's inputs). Without: nothing (the stream orders the kernels)."""
-    if PDL:
-        gdc_launch_dependents()
-        for c0 in range(0, KS, BLOCK_K):
-            cols = pk * KS + c0 + tl.arange(0, BLOCK_K // 64) * 64
-            ptrs = tl.where(mn[:, None] & (cols < K)[None, :], wrow + cols[None, :], w_ptr)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        gdc_wait()
-
-
 @triton.jit(do_not_specialize=["M", "N"])
 def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x,
                 stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr, PDL: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
     and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor cores (rows past
     M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column block to arrive
@@ -191,7 +166,6 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     dt = w_ptr.dtype.element_ty
     wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    _await_inputs(w_ptr, wrow, mn, pk, K, KS, BLOCK_K, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, KS, BLOCK_K):
@@ -252,7 +226,6 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     bm = max(16, triton.next_power_of_2(m))
     stages = max(1, min(stages, 200_000 // ((bn + bm * (2 if swiglu else 1)) * bk * x.element_size())))
     blocks = triton.cdiv(n, bn)
-    pdl = _pdl(x.device) and bk >= 64
     ws = ss = locks = out
     if split > 1:
         ws = torch.empty(blocks * split * bn * bm, dtype=torch.float32, device=x.device)
@@ -261,5 +234,5 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     _mma_kernel[(blocks, split)](
         x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
         x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-        KS=triton.cdiv(triton.cdiv(k, split), bk) * bk, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        KS=triton.cdiv(triton.cdiv(k, split), bk) * bk, num_warps=warps, num_stages=stages)
     return out
