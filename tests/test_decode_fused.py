@@ -124,8 +124,8 @@ def test_mma_rows_do_not_depend_on_the_call(split: int) -> None:
 def test_mma_config_depends_on_the_weight_alone() -> None:
     assert D.mma_config(2, 2048, 8192) == (64, 128, 8, 3, 8)  # measured (llama-1b's down)
     bn, bk, _, _, split = D.mma_config(0, 4096, 4096)  # the rule: ~256 programs, >= 256 columns a split
-    assert (bn, bk, split) == (64, 128, 4) and D.mma_config(1, 4096, 4096)[4] == 4  # 64 blocks x 4
-    assert D.mma_config(1, 65536, 4096)[4] == 1 and D.mma_config(0, 512, 16384)[4] == 8
+    assert (bn, bk, split) == (64, 128, 4) and D.mma_config(2, 4096, 512)[4] == 2  # 64 blocks x 4; 2 x 256
+    assert D.mma_config(1, 4096, 4096)[4] == 1 and D.mma_config(0, 512, 16384)[4] == 8  # no split under RMSNorm
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU run of the bench script (on a GPU it times)")

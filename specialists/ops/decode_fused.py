@@ -105,6 +105,8 @@ MMA_ROWS = 32  # a step of at most this many rows uses `mma` (above, cuBLAS is f
 _MMA_MEASURED = {
     (1, 3072, 2048): (64, 256, 4, 3, 2), (1, 16384, 2048): (64, 256, 4, 2, 1),  # llama-1b qkv, gate/up
     (0, 2048, 2048): (64, 128, 4, 4, 4), (2, 2048, 8192): (64, 128, 8, 3, 8),  # llama-1b o, down
+    (1, 5120, 3072): (64, 256, 4, 3, 1), (1, 16384, 3072): (64, 256, 4, 3, 1),  # llama-3b
+    (0, 3072, 3072): (64, 128, 4, 3, 4), (2, 3072, 8192): (64, 128, 4, 3, 8),
     (1, 960, 576): (64, 256, 4, 6, 1), (1, 3072, 576): (64, 256, 4, 4, 1),  # smollm2-135m
     (0, 576, 576): (16, 128, 4, 6, 1), (2, 576, 1536): (64, 128, 4, 4, 8),
 }
@@ -112,17 +114,19 @@ _MMA_MEASURED = {
 
 def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of `mma`: measured for the named shapes, else
-    64 outputs a program and K split until ~256 programs (a program streams ~20 GB/s: a 2048-row
-    weight in 32 programs reads at 0.65 TB/s), keeping >= 1024 columns a split under an RMSNorm (its
-    products are wide) and >= 256 otherwise. The choice depends on the weight alone, never on the
-    row count: a row's result is then the same at every M."""
+    64 outputs a program; a product without the RMSNorm splits K until ~256 programs (a program
+    streams ~20 GB/s: a 2048-row weight in 32 programs reads at 0.65 TB/s) keeping >= 256 columns a
+    split, one under the RMSNorm (wide products; a split cost llama-3b's q/k/v 40%). The choice
+    depends on the weight alone, never on the row count: a row's result is the same at every M."""
     hit = _MMA_MEASURED.get((prologue, n, k))
     if hit:
         return hit
-    split, least = 1, (1024 if prologue == 1 else 256)
-    while split < 8 and triton.cdiv(n, 64) * split * 2 <= 256 and k // (split * 2) >= least:
+    if prologue == 1:
+        return 64, 256, 4, 3, 1
+    split = 1
+    while split < 8 and triton.cdiv(n, 64) * split * 2 <= 256 and k // (split * 2) >= 256:
         split *= 2
-    return 64, 256 if prologue == 1 else 128, 4, 3, split
+    return 64, 128, 4, 3, split
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
