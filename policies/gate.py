@@ -11,10 +11,13 @@ With ``auto.min_speedup`` > 0 the gate also judges time: the engine reports ever
 and emitted tokens (``observe_time``); speculative steps feed a rolling seconds-per-token figure, plain
 steps (in fallback) another, both per batch-size bucket. Once the acceptance window is full, no plain
 figure for the current bucket -> "fallback" ("baseline", to measure one); plain / speculative below
-min_speedup -> "fallback" ("slow") for that bucket only: the verdict is kept per bucket for
+min_speedup (the median plain step's seconds per token over the mean speculative ones) -> "fallback"
+("slow") for that bucket only: the verdict is kept per bucket for
 ``cooldown_s`` (doubled each time a re-probe of the bucket finds it slow again, up to 8x), so a batch
 that moves to a bucket where speculation pays speculates at once, and one that comes back to a slow
 bucket falls back at once, without measuring again. A re-probe judges the bucket on fresh figures.
+A paired gate (a CPU engine's: its baseline steps rebuild the drafter) takes a bucket's first plain
+figure before the bucket's first speculative step, so a losing bucket never speculates past its window.
 """
 
 from __future__ import annotations
@@ -105,6 +108,13 @@ class SecondsPerToken:
         tokens = sum(t for _, t in self._steps)
         return sum(s for s, _ in self._steps) / tokens if tokens else None
 
+    @property
+    def median(self) -> float | None:
+        """The median step's seconds per token: a plain figure that a few slow steps (a step right
+        after a switch, a cache refill) do not move."""
+        per = sorted(s / t for s, t in self._steps)
+        return per[len(per) // 2] if per else None
+
 
 # speculative seconds per token over this many steps: acceptance swings with the text (a stretch of a
 # few dozen steps where drafts miss is common), so a short window judged batch 1 slow mid-request while
@@ -148,6 +158,8 @@ class SpeculationGate:
         # so that both come from the same stretch of the text and of the batch's life
         self.paired = paired
         self._flip = False
+        self._timed = False  # the engine reports step times (observe_time): a bucket's plain figure comes first
+        self._first = False  # the baseline under way is a bucket's first (plain steps only, before speculating)
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -181,7 +193,8 @@ class SpeculationGate:
                 if self._reason == "slow" and slow:
                     return "fallback"
                 if self._reason != "slow" and not self._fallback_over(gating, running_batch):
-                    if self._reason == "baseline" and self.paired and running_batch <= gating.max_running_batch:
+                    if self._reason == "baseline" and self.paired and not self._first \
+                            and running_batch <= gating.max_running_batch:
                         self._flip = not self._flip
                         return "fallback" if self._flip else "on"
                     return "fallback"
@@ -193,7 +206,21 @@ class SpeculationGate:
                 self._fall_back("large_batch")
             elif slow and self._status == "on":  # back in a bucket judged slow: no need to measure again
                 self._enter("fallback", "slow")
+            elif self._status == "on" and self._plain_first(_bucket(running_batch)):
+                self._fall_back("baseline")
+                self._first = True
             return self._status
+
+    def _plain_first(self, b: int) -> bool:  # under the lock
+        """Whether bucket b takes its plain figure now, before its first speculative step: a paired
+        gate (its baseline steps rebuild the drafter, so speculation starts with drafts current), the
+        time gate on, the engine timing its steps, and b with neither figure. Taken first, the plain
+        steps run as plain steps do in serving; paired with speculative steps they ran 10-15% slower
+        (right after a verify), which kept build's batch 8 speculating at 0.8x. On a GPU's multi-step
+        graphs (not paired) a baseline cannot rebuild the drafter, and plain-first cost cpp and
+        python 12% at batch 8 (bench/RESULTS.md)."""
+        return (self.paired and self._timed and self._policy.auto.min_speedup > 0 and b not in self._plain_spt
+                and b not in self._spec_spt)
 
     def _bucket_slow(self, b: int) -> bool:  # under the lock
         """Whether bucket b's slow verdict holds now; an expired one is dropped with the bucket's
@@ -248,6 +275,7 @@ class SpeculationGate:
         if seconds < 0 or tokens < 0:
             raise GateInputError(f"need seconds >= 0 and tokens >= 0, got {seconds}, {tokens}")
         with self._lock:
+            self._timed = True
             b = _bucket(batch)
             if status == "on":
                 self._spec_spt.setdefault(b, SecondsPerToken(SPEC_STEPS)).add(seconds, tokens)
@@ -292,9 +320,9 @@ class SpeculationGate:
 
     def _speedup(self, b: int) -> float | None:  # under the lock
         plain, spec = self._plain_spt.get(b), self._spec_spt.get(b)
-        if plain is None or spec is None or not plain.value or not spec.value:
+        if plain is None or spec is None or not plain.median or not spec.value:
             return None
-        return plain.value / spec.value
+        return plain.median / spec.value
 
     @property
     def reason(self) -> Reason:
@@ -353,6 +381,7 @@ class SpeculationGate:
         self._enter("fallback", reason)
 
     def _enter(self, status: Status, reason: Reason) -> None:  # under the lock
+        self._first = False
         self._status = status
         self._reason = reason
         self._since = self._clock()

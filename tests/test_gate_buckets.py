@@ -3,6 +3,8 @@ bucket, with a backoff on re-probes."""
 
 from __future__ import annotations
 
+import pytest
+
 from policies.gate import SpeculationGate
 from test_policies import Clock, auto_policy, timed_steps
 
@@ -43,11 +45,29 @@ def test_fresh_policy_judges_afresh_and_a_toggle_keeps_what_was_measured() -> No
     assert gate.snapshot()["slow_buckets"] == {8: 10.0} and gate.decide(8) == "fallback"
     gate.set_policy(policy, fresh=True)
     assert gate.snapshot()["slow_buckets"] == {} and gate.speedup(8) is None
-    assert gate.decide(8) == "on"
+    assert gate.decide(8) == "on"  # not paired (a GPU's): speculates first, as the drafter is current then
     timed_steps(gate, 20, spec_s=0.6, plain_s=0.1, batch=8)
     assert gate.snapshot()["slow_buckets"] == {8: 10.0}
     gate.set_policy(policy.model_copy(update={"num_speculative_tokens": 2}))  # another policy: other figures
     assert gate.snapshot()["slow_buckets"] == {} and gate.decide(8) == "on"
+
+
+def test_a_new_bucket_is_measured_plain_first_and_judged_on_the_median_plain_step() -> None:
+    """A paired gate (a CPU's, whose baseline steps rebuild the drafter): once the engine times its
+    steps, a bucket with no figures starts with its baseline: plain steps only (not paired with speculative ones, whose neighbours ran slower), then speculates and is
+    judged on the median plain step, which one slow step after a switch does not move. A losing bucket
+    thus never speculates past its window; a winning one speculates after baseline_steps plain steps."""
+    policy = auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16, baseline_steps=4)
+    gate = SpeculationGate(policy, Clock(), paired=True)
+    assert timed_steps(gate, 1, spec_s=0.25, plain_s=0.1, batch=1) == ["on"]  # nothing timed yet: as before
+    seen = timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8)
+    assert seen == ["fallback"] * 4 and gate.reason == "baseline"  # not paired: plain steps only
+    seen = timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8)
+    assert seen == ["on", "on", "fallback", "fallback"] and gate.reason == "slow"  # judged once the window is full
+    assert gate.speedup(8) == pytest.approx(0.1 / 0.2)
+    gate.observe_time("fallback", 8, 5.0, 1)  # one slow plain step: the median keeps the figure
+    assert gate.speedup(8) == pytest.approx(0.1 / 0.2)
+    assert timed_steps(gate, 2, spec_s=0.1, plain_s=0.1, batch=2) == ["fallback"] * 2  # a new bucket: plain first
 
 
 def test_a_paired_baseline_alternates_and_never_speculates_above_max_running_batch() -> None:
