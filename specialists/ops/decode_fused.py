@@ -132,12 +132,18 @@ def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
+LOCK_SLOTS = 1 << 16  # column blocks of one split-K product at most (N <= 1M outputs at 16 a block)
+
+
 def _locks(device: torch.device, n: int) -> torch.Tensor:
     """Per-column-block arrival counters of the split-K programs, zero between calls (the last
-    program of a block resets its counter)."""
+    program of a block resets its counter). One buffer per device, never replaced: captured graphs
+    keep its address."""
+    if n > LOCK_SLOTS:
+        raise ValueError(f"a split-K product of {n} column blocks (at most {LOCK_SLOTS})")
     t = _LOCKS.get(device)
-    if t is None or t.numel() < n:
-        t = _LOCKS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if t is None:
+        t = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
     return t
 
 
