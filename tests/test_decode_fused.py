@@ -120,7 +120,8 @@ def test_mma_rows_do_not_depend_on_the_call(split: int) -> None:
     with pytest.raises(ValueError, match="row-major"):
         D.mma(x[:, :50], w)
     with pytest.raises(ValueError, match="column blocks"):  # the counters' buffer is never replaced
-        D.mma(x[:1], torch.zeros(16 * D.LOCK_SLOTS + 16, 256, device=DEV, dtype=DT), config=(16, 32, 4, 2, 2))
+        huge = torch.zeros(1, 256, device=DEV, dtype=DT).expand(16 * D.LOCK_SLOTS + 16, 256)  # no memory
+        D.mma(x[:1], huge, config=(16, 32, 4, 2, 2))
 
 
 def test_mma_config_depends_on_the_weight_alone() -> None:
