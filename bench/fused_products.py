@@ -10,10 +10,10 @@ One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), s
 as its C operand), and the products through `mma` with their neighbours (qkv and gate_up: RMSNorm +
 product; o: product + residual; down: SiLU * up + product + residual, against the torch ops), with
 torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's weight bytes per
-second. A side that adds to the residual in place also copies it each call (~2 us). --sweep also times tile configurations of mma at one and four rows (sweep: [[config, us, us
-at four rows], ...], config = (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)). --device cpu runs
-the kernels through Triton's interpreter in fp32 (a check of the script and the kernels' agreement,
-not a timing).
+second. A side that adds to the residual in place also copies it each call (~2 us). --sweep also
+times tile configurations of mma at one and four rows (sweep: [[config, us, us at four rows], ...],
+config = (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)). --device cpu runs the kernels through
+Triton's interpreter in fp32 (a check of the script and the kernels' agreement, not a timing).
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ def test_fresh_policy_judges_afresh_and_a_toggle_keeps_what_was_measured() -> No
 
 def test_a_new_bucket_is_measured_plain_first_and_judged_on_the_median_plain_step() -> None:
     """A paired gate (a CPU's, whose baseline steps rebuild the drafter): once the engine times its
-    steps, a bucket with no figures starts with its baseline: plain steps only (not paired with speculative ones, whose neighbours ran slower), then speculates and is
-    judged on the median plain step, which one slow step after a switch does not move. A losing bucket
-    thus never speculates past its window; a winning one speculates after baseline_steps plain steps."""
+    steps, a bucket with no figures starts with its baseline: plain steps only (not paired with
+    speculative ones, whose neighbours ran slower), then speculates and is judged on the median plain
+    step, which one slow step after a switch does not move. A losing bucket thus never speculates past
+    its window; a winning one speculates after baseline_steps plain steps."""
     policy = auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16, baseline_steps=4)
     gate = SpeculationGate(policy, Clock(), paired=True)
     assert timed_steps(gate, 1, spec_s=0.25, plain_s=0.1, batch=1) == ["on"]  # nothing timed yet: as before

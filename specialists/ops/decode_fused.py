@@ -101,7 +101,8 @@ def add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.T
 MMA_ROWS = 32  # a step of at most this many rows uses `mma` (above, cuBLAS is faster: `gemm`)
 
 # (prologue, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the least time at one row in
-# a sweep on an H100 (.probe sweep, L2-cold weights; bench/results/fused_products.jsonl)
+# sweeps on an H100 over L2-cold weights (`bench.fused_products --sweep` and the `mma_probe` rows in
+# bench/results/fused_products.jsonl)
 _MMA_MEASURED = {
     (1, 3072, 2048): (64, 256, 4, 3, 2), (1, 16384, 2048): (64, 256, 4, 2, 1),  # llama-1b qkv, gate/up
     (0, 2048, 2048): (64, 128, 4, 4, 4), (2, 2048, 8192): (64, 128, 8, 3, 8),  # llama-1b o, down
@@ -130,8 +131,6 @@ def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
 LOCK_SLOTS = 1 << 16  # column blocks of one split-K product at most (N <= 1M outputs at 16 a block)
 
 
@@ -160,11 +159,12 @@ def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x,
-                stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
+                stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                KS: tl.constexpr):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
-    and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor cores (rows past
-    M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column block to arrive
+    and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor
+    cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column block to arrive
     sums the SPLIT partials in order and finishes. Every row runs the same instructions whatever M
     and its slot, so a row's result depends on neither."""
     pn = tl.program_id(0)
@@ -243,6 +243,7 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
         locks = _locks(x.device, blocks)
     _mma_kernel[(blocks, split)](
         x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
-        x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-        KS=triton.cdiv(triton.cdiv(k, split), bk) * bk, num_warps=warps, num_stages=stages)
+        x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, KS=triton.cdiv(triton.cdiv(k, split), bk) * bk,
+        num_warps=warps, num_stages=stages)
     return out
