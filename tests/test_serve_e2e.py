@@ -291,12 +291,10 @@ def test_speculation_flips_after_admin_put(client):
 
 
 def test_auto_gating_falls_back_and_probes_again(client):
-    """A workload crafted to reject (min_acceptance 1.0 with sampled drafts): fallback, then on
-    again after the cooldown. Acceptance alone judges here (min_speedup 0): with the time gate a CPU's
-    gate measures a new policy's plain steps first, and a short answer can end inside that baseline."""
-    policy = {"mode": "auto", "num_speculative_tokens": 3, "acceptance": "rejection",
-              "auto": {"min_acceptance": 1.0, "window": 6, "max_running_batch": 8, "cooldown_s": 3.0,
-                       "min_speedup": 0.0}}
+    """Crafted to reject (min_acceptance 1.0, sampled drafts; acceptance alone judges: a CPU gate
+    takes a new policy's plain figure first): fallback, then on again after the cooldown."""
+    policy = {"mode": "auto", "num_speculative_tokens": 3, "acceptance": "rejection", "auto": {
+        "min_acceptance": 1.0, "window": 6, "max_running_batch": 8, "cooldown_s": 3.0, "min_speedup": 0.0}}
     assert requests.put(f"{BASE}/admin/policies/shell", json=policy, headers=AUTH, timeout=10).status_code == 200
     assert speculation_of(client, "shell", max_tokens=64, temperature=1.0, seed=7) == "fallback"
     assert admin_view("shell")["gate"]["status"] == "fallback"
