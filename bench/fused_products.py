@@ -38,18 +38,24 @@ def _copies(nbytes: int, dev: str) -> int:
     return 1 if dev == "cpu" else max(2, -(-L2_BYTES // nbytes))
 
 
+def _dims(cfg) -> tuple[int, int, int, int]:
+    """hidden size, ffn size, the attention's width (o's K) and q/k/v's width (its N)."""
+    d, heads = cfg.hidden_size, cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    return d, cfg.intermediate_size, heads * hd, (heads + 2 * cfg.num_key_value_heads) * hd
+
+
 def _pieces(cfg, m: int, dt, dev: str) -> dict:
     """piece -> (torch closures, fused closures, weight bytes or 0): one closure per weight copy."""
     from specialists.ops import decode_fused as D
 
-    d, i = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+    d, i, attn, _ = _dims(cfg)
     h = torch.randn(m, d, device=dev, dtype=dt)
     g = torch.rand(d, device=dev, dtype=dt) + 0.5
     gu = torch.randn(m, 2 * i, device=dev, dtype=dt)
     out = {"norm": ([lambda: F.rms_norm(h, (d,), g, EPS)], [lambda: D.rms_norm(h, g, EPS)], 0),
            "silu_mul": ([lambda: F.silu(gu[:, :i]) * gu[:, i:]], [lambda: D.silu_mul(gu)], 0)}
-    for name, k in (("o", cfg.num_attention_heads * hd), ("down", i)):
+    for name, k in (("o", attn), ("down", i)):
         ws = [torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(_copies(d * k * 2, dev))]
         x = torch.randn(m, k, device=dev, dtype=dt)
         res = torch.randn(m, d, device=dev, dtype=dt)
@@ -62,9 +68,7 @@ def _pieces(cfg, m: int, dt, dev: str) -> dict:
 def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
     from specialists.ops import decode_fused as D
 
-    d, i = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
-    nq = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+    d, i, attn, nq = _dims(cfg)
     h = torch.randn(m, d, device=dev, dtype=dt)
     g = torch.rand(d, device=dev, dtype=dt) + 0.5
     out = {}
@@ -72,7 +76,7 @@ def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
         ws = [torch.randn(n, d, device=dev, dtype=dt) / d ** 0.5 for _ in range(_copies(n * d * 2, dev))]
         out[name] = ([lambda w=w: F.linear(F.rms_norm(h, (d,), g, EPS), w) for w in ws],
                      [lambda w=w: D.mma(h, w, gain=g, eps=EPS, config=config) for w in ws], n * d * 2)
-    for name, k, swiglu in (("o_mma", cfg.num_attention_heads * hd, False), ("down_mma", i, True)):
+    for name, k, swiglu in (("o_mma", attn, False), ("down_mma", i, True)):
         ws = [torch.randn(d, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(_copies(d * k * 2, dev))]
         x = torch.randn(m, 2 * k if swiglu else k, device=dev, dtype=dt)
         a = (lambda x=x, k=k: F.silu(x[:, :k]) * x[:, k:]) if swiglu else (lambda x=x: x)

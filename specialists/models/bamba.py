@@ -138,7 +138,7 @@ class BambaModel(DecoderBase):
             raise ValueError("a Bamba forward needs an SSMCache")
         h = self.embed[batch.input_ids]
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
-        fused = fused_step(h, batch)  # decodes and verifies on CUDA in half precision: fewer kernels
+        fused = fused_step(h)  # decodes and verifies on CUDA in half precision: fewer kernels
         for layer in self.layers:
             i = layer.cache_index
             if layer.attn is not None and fused:

@@ -166,7 +166,7 @@ def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T
     return linear(F.silu(gate) * up, w.down_proj, w.down_bias)
 
 
-def fused_step(h: torch.Tensor, batch: ForwardBatch) -> str | None:
+def fused_step(h: torch.Tensor) -> str | None:
     """The fused path for a CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes,
     verifies), or None: "mma" for at most MMA_ROWS rows (a row's products are the same bits at any row
     count: a verify computes its decodes' products), else "gemm" (specialists/ops/decode_fused.py)."""
@@ -285,7 +285,7 @@ class LlamaModel(DecoderBase):
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
         if self.native is not None and not batch.static and h.device.type == "cpu":
             return self.native(batch, kv, h, cos, sin)
-        path = fused_step(h, batch)
+        path = fused_step(h)
         if path:
             for i, layer in enumerate(self.layers):
                 fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch, path)

@@ -164,9 +164,9 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
                 KS: tl.constexpr):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
     and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor
-    cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column block to arrive
-    sums the SPLIT partials in order and finishes. Every row runs the same instructions whatever M
-    and its slot, so a row's result depends on neither."""
+    cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column
+    block to arrive sums the SPLIT partials in order and finishes. Every row runs the same
+    instructions whatever M and its slot, so a row's result depends on neither."""
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
