@@ -16,8 +16,10 @@ min_speedup (the median plain step's seconds per token over the mean speculative
 ``cooldown_s`` (doubled each time a re-probe of the bucket finds it slow again, up to 8x), so a batch
 that moves to a bucket where speculation pays speculates at once, and one that comes back to a slow
 bucket falls back at once, without measuring again. A re-probe judges the bucket on fresh figures.
-A paired gate (a CPU engine's: its baseline steps rebuild the drafter) takes a bucket's first plain
-figure before the bucket's first speculative step, so a losing bucket never speculates past its window.
+A paired gate (a CPU engine's: the drafter entries its plain steps skip are caught up on resume,
+spec/catchup.py) takes a bucket's first plain figure before the bucket's first speculative step, so a
+losing bucket never speculates past its window. A CPU engine reports no step within SETTLE_STEPS of a
+prefill, and while a slow verdict holds one step in HELD_EVERY.
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ SPEC_STEPS = 256
 # this many speculative steps: a plain figure taken once, right after a prefill (slower steps while
 # the caches refill), kept build's batch 8 speculating at 0.82-0.89x (2026-11-26); ~3% of the steps
 REFRESH_EVERY = 256
+# no step time is reported within this many steps of a prefill: those run up to 2x slower (caches refill;
+# build b8 CPU 1.86, 1.29, 1.05, then 0.9 ms), and a baseline taken there judged build's b8 faster speculating
+SETTLE_STEPS = 3
+HELD_EVERY = 8  # a held slow verdict: one plain step in 8 timed (~8 us of bookkeeping a step, ~1% at CPU b8)
 
 
 def _bucket(batch: int) -> int:
@@ -141,6 +147,7 @@ class SpeculationGate:
         self._policy = policy
         self._window = RollingAcceptance(policy.auto.window)
         self._status: Status = _base_status(policy)
+        self.holding = False  # in a bucket's slow verdict (fallback, "slow")
         self._since = clock()
         self._reason: Reason = "policy"
         self._fallbacks = 0
@@ -153,11 +160,9 @@ class SpeculationGate:
         self._slow: dict[int, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
         self._reprobe: dict[int, float] = {}  # bucket -> the cooldown of its expired slow verdict
         self._since_plain: dict[int, int] = {}  # bucket -> speculative steps since its plain figure was taken
-        # paired baselines (the engine asks for them where plain steps can keep the drafter current: not with
-        # multi-step graphs): a baseline alternates plain and speculative steps, both figures taken afresh,
-        # so that both come from the same stretch of the text and of the batch's life
+        # paired: a CPU engine's gate (its plain steps owe the drafter's entries, caught up on resume; not with
+        # multi-step graphs): a bucket's plain figure comes first, and a baseline's end judges at once
         self.paired = paired
-        self._flip = False
         self._timed = False  # the engine reports step times (observe_time): a bucket's plain figure comes first
         self._first = False  # the baseline under way is a bucket's first (plain steps only, before speculating)
 
@@ -193,10 +198,6 @@ class SpeculationGate:
                 if self._reason == "slow" and slow:
                     return "fallback"
                 if self._reason != "slow" and not self._fallback_over(gating, running_batch):
-                    if self._reason == "baseline" and self.paired and not self._first \
-                            and running_batch <= gating.max_running_batch:
-                        self._flip = not self._flip
-                        return "fallback" if self._flip else "on"
                     return "fallback"
                 if self._reason == "baseline" and self.paired and self._judge(_bucket(running_batch)):
                     return "fallback"
@@ -213,7 +214,7 @@ class SpeculationGate:
 
     def _plain_first(self, b: int) -> bool:  # under the lock
         """Whether bucket b takes its plain figure now, before its first speculative step: a paired
-        gate (its baseline steps rebuild the drafter, so speculation starts with drafts current), the
+        gate (its baseline steps owe the drafter entries that the catch-up writes on resume), the
         time gate on, the engine timing its steps, and b with neither figure. Taken first, the plain
         steps run as plain steps do in serving; paired with speculative steps they ran 10-15% slower
         (right after a verify), which kept build's batch 8 speculating at 0.8x. On a GPU's multi-step
@@ -293,8 +294,6 @@ class SpeculationGate:
             plain = self._plain_spt.get(b)
             if plain is None or plain.value is None or self._since_plain.get(b, 0) >= REFRESH_EVERY:
                 self._plain_spt.pop(b, None)  # a fresh plain figure, taken now
-                if self.paired:
-                    self._spec_spt.pop(b, None)
                 self._fall_back("baseline")
                 return
             self._judge(b)
@@ -381,6 +380,7 @@ class SpeculationGate:
         self._enter("fallback", reason)
 
     def _enter(self, status: Status, reason: Reason) -> None:  # under the lock
+        self.holding = status == "fallback" and reason == "slow"  # read without the lock (one bool)
         self._first = False
         self._status = status
         self._reason = reason

@@ -21,16 +21,18 @@ CAP = 512
 
 
 class _Owed:
-    """One sequence's owed tokens: contiguous chunks (start, hidden [q, d], next tokens [q]), oldest first."""
+    """One sequence's owed tokens: contiguous chunks (start, n, the step's hidden [T, d], its next
+    tokens [T], the sequence's first row in them), oldest first. A chunk holds the step's tensors
+    whole and is cut on catch-up only: stashing is a few list operations, no tensor work per step."""
 
     __slots__ = ("chunks", "count")
 
     def __init__(self) -> None:
-        self.chunks: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque()
+        self.chunks: deque[tuple[int, int, torch.Tensor, torch.Tensor, int]] = deque()
         self.count = 0
 
     def end(self) -> int | None:
-        return self.chunks[-1][0] + self.chunks[-1][1].shape[0] if self.chunks else None
+        return self.chunks[-1][0] + self.chunks[-1][1] if self.chunks else None
 
 
 class CatchUp:
@@ -44,24 +46,21 @@ class CatchUp:
     def forget(self, seq_id: int) -> None:
         self._owed.pop(seq_id, None)
 
-    def stash(self, batch: Any, hidden: torch.Tensor, next_tokens: torch.Tensor, seq_ids: list[int]) -> None:
-        """A step that skipped the rebuild: the tokens of the rows of `seq_ids` (sequences the drafter
-        has entries for) are owed. batch: the step's (eager) batch; hidden, next_tokens: per token."""
-        wanted = set(seq_ids)
-        qsl = batch.query_start_loc.tolist()
-        starts = batch.positions[batch.query_start_loc[:-1].long()].tolist()
-        for b, sid in enumerate(batch.seq_ids):
-            if sid not in wanted:
-                continue
-            lo, hi = qsl[b], qsl[b + 1]
-            o = self._owed.setdefault(sid, _Owed())
-            if o.chunks and o.end() != starts[b]:  # not contiguous (cannot happen while the sequence lives)
+    def stash(self, spans: list[tuple[int, int, int, int]], hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """A step that skipped the rebuild: spans (seq_id, first position, first row, rows) of the
+        sequences whose tokens are now owed. hidden [T, d], next_tokens [T]: the step's (eager, so
+        tensors of their own that no later step overwrites), per token."""
+        for sid, start, lo, n in spans:
+            o = self._owed.get(sid)
+            if o is None:
+                o = self._owed[sid] = _Owed()
+            elif o.chunks and o.end() != start:  # not contiguous (cannot happen while the sequence lives)
                 o.chunks.clear()
                 o.count = 0
-            o.chunks.append((starts[b], hidden[lo:hi].detach().clone(), next_tokens[lo:hi].detach().clone()))
-            o.count += hi - lo
-            while o.count - o.chunks[0][1].shape[0] >= CAP:  # keep the most recent CAP or so
-                o.count -= o.chunks.popleft()[1].shape[0]
+            o.chunks.append((start, n, hidden, next_tokens, lo))
+            o.count += n
+            while o.count - o.chunks[0][1] >= CAP:  # keep the most recent CAP or so
+                o.count -= o.chunks.popleft()[1]
 
     def run(self, runner: Any, drafter: Any, seq_ids: list[int]) -> int:
         """Writes the entries owed for these sequences (before their step's own rebuild) -> how many."""
@@ -71,8 +70,8 @@ class CatchUp:
             if o is None or not o.chunks:
                 continue
             spans.append((sid, o.chunks[0][0], o.count))
-            hidden.extend(h for _, h, _ in o.chunks)
-            toks.extend(t for _, _, t in o.chunks)
+            hidden.extend(h[lo:lo + n] for _, n, h, _, lo in o.chunks)
+            toks.extend(t[lo:lo + n] for _, n, _, t, lo in o.chunks)
         if not spans:
             return 0
         drafter.rebuild(runner.history_batch(spans), torch.cat(hidden), torch.cat(toks))

@@ -72,9 +72,11 @@ class Speculator:
         method: Method = "greedy",  # acceptance for sampled requests: rejection | typical (greedy rows are exact)
         typical: TypicalParams = TypicalParams(),
         rebuild: bool = True,  # run the drafter's rebuild (False when speculation is off for good)
+        owe_new: bool = False,  # without the rebuild: new prompts' entries owed too (the gate's fallback)
     ) -> tuple[list[Row], StepOutput]:
         t0 = time.perf_counter()
         plan = self.plan(prefills, decodes, method, typical, rebuild)
+        plan.owe_new = owe_new and not rebuild
         proposal = self.propose(plan)
         t1 = time.perf_counter()
         forward = self.verify(plan, proposal)
@@ -208,16 +210,17 @@ class Speculator:
         step's chain on the device behind the copy."""
         if plan.multi > 1:  # runs of `multi` tokens; the fed ones (all but the last) are what commit keeps
             return StepOutput(*unpack(accepted.packed.tolist(), [plan.multi - 1] * len(plan.rows), plan.multi - 1))
-        static, rebuild_s = forward.static, 0.0
+        static, rebuild_s, catchup_s = forward.static, 0.0, 0.0
         if self._rebuild_in_graph(plan):
             self._draft_out = static.draft_out
         elif plan.rebuild and self.drafter is not None:
             t0 = time.perf_counter()
             self.catch_up.run(self.runner, self.drafter, [r.seq_id for r in plan.rows])  # owed entries first
+            catchup_s = time.perf_counter() - t0
             self._rebuild(plan, forward, accepted.tokens)
             rebuild_s = time.perf_counter() - t0
-        elif self.drafter is not None and not self.runner.static and (owed := [r.seq_id for r in plan.rows if r.seq_id in self._entries]):
-            self.catch_up.stash(forward.batch, forward.hidden, self._next_tokens(plan, forward, accepted.tokens), owed)
+        elif self.drafter is not None and not self.runner.static and (owed := self._owing(plan)):
+            self.catch_up.stash(owed, forward.hidden, self._next_tokens(plan, forward, accepted.tokens))
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
             wait = self._host_copy(accepted.packed)
@@ -232,7 +235,16 @@ class Speculator:
         if ahead:  # valid next step if every run is committed whole and the same sequences decode
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
                                      [c + len(run) for c, run in zip(plan.static.committed, runs)], plan.k, drafts_next)
-        return StepOutput(runs, drafts, rebuild_s=rebuild_s)
+        return StepOutput(runs, drafts, rebuild_s=rebuild_s, catchup_s=catchup_s)
+
+    def _owing(self, plan: StepPlan) -> list[tuple[int, int, int, int]]:
+        """(seq_id, first position, first row, rows) of the rows of a step without the rebuild whose
+        entries become owed: sequences the drafter has entries for or owes already, and under the gate's
+        fallback (owe_new) new prompts too, so that a request that starts while the gate measures or
+        holds plain decoding drafts over its prompt once it speculates."""
+        owes, entries, computed = self.catch_up.owed, self._entries, self.kv.num_computed
+        return [(r.seq_id, computed(r.seq_id) if r.prefill else r.seq.num_tokens - 1, r.t0, r.q) for r in plan.rows
+                if r.seq_id in entries or owes(r.seq_id) or (plan.owe_new and r.prefill)]
 
     # ---- the parts -----------------------------------------------------------------------------
 
@@ -290,6 +302,8 @@ class Speculator:
         """[T]: the token after each token of the batch (a prompt shifted by one, then the sampled one;
         a verify's kept drafts and the target's token)."""
         T, kmax = res.hidden.shape[0], plan.k
+        if kmax == 0 and not plan.rows[0].prefill:  # plain decodes only (prefills come first): the sampled tokens
+            return tokens.reshape(-1)
         src: list[int] = []
         for b, r in enumerate(plan.rows):
             base = T + b * (kmax + 1)

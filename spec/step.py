@@ -60,6 +60,7 @@ class StepPlan:
     multi: int = 1  # > 1: that many greedy one-token decodes in one static forward (no drafts)
     masks: StepMasks | None = None  # the grammar masks of guided rows (spec/grammar.py); None: no row guided
     limits: list[int] | None = None  # a guided static step: drafts each row may keep (its chain may stop early)
+    owe_new: bool = False  # no rebuild, and new prompts' drafter entries are owed too (spec/catchup.py)
 
     def settle(self, num_drafts: list[int]) -> None:
         """Each row's drafts once they are proposed (a chain may stop early), and the batch layout."""
@@ -110,3 +111,4 @@ class StepOutput:
     verify_s: float = 0.0
     mask_s: float = 0.0  # host time on grammar masks (filling, the drafter's reads, applying)
     rebuild_s: float = 0.0  # host time of the drafter's rebuild outside a graph (in verify_s too)
+    catchup_s: float = 0.0  # of which the catch-up of owed entries (spec/catchup.py): a resume's one-off cost

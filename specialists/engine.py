@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from policies.gate import SpeculationGate
+from policies.gate import HELD_EVERY, SETTLE_STEPS, SpeculationGate
 from policies.policy import SpeculationPolicy
 from spec.acceptance import TypicalParams
 from spec.speculator import Speculator
@@ -96,7 +96,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._step_lock: asyncio.Lock | None = None
-        self.steps = 0
+        self.steps = self._settle = 0  # _settle: steps until step times are judged again (after a prefill)
         self.ready = False
         self._grammars = Grammars(tokenizer, self.speculator.vocab_size, eos, grammar_bounds)
 
@@ -224,9 +224,7 @@ class Engine:
         batch = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the step's, prefills admitted
         status = self.gate.decide(batch) if self.drafter is not None else "off"
         policy = self.gate.policy
-        # a fallback step is plain (no drafter rebuild); a baseline's rebuilds but without multi-step graphs (its time left out)
-        baseline = status == "fallback" and self.gate.reason == "baseline" and not self.runner.static
-        rebuild = self.drafter is not None and policy.mode != "off" and (status != "fallback" or baseline)
+        rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"  # owed entries: caught up
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         k = self.gate.k_for(batch) if status == "on" else 0
         self._plan_drafts(k, multi)
@@ -242,7 +240,7 @@ class Engine:
         typical = TypicalParams(policy.typical.epsilon, policy.typical.delta)
         if self.snapshots is not None:  # a hybrid's prefills keep their states at block boundaries
             self.snapshots.plan(step.prefills)
-        rows, out = self.speculator.execute(step.prefills, step.decodes, policy.acceptance, typical, rebuild)
+        rows, out = self.speculator.execute(step.prefills, step.decodes, policy.acceptance, typical, rebuild, status == "fallback")
         t0 = time.perf_counter()
         kept, events = self._cut_runs(rows, out, status)
         for i in commit_grammars(rows, out.runs, kept, out.mask_s, self.totals):  # a grammar with no way on
@@ -259,9 +257,11 @@ class Engine:
             if row.seq.status is Status.FINISHED:
                 self.speculator.forget(row.seq.seq_id)
         drafted = any(row.k for row in rows)
-        if status != "off" and step.decodes and not step.prefills and (status != "on" or drafted):
-            # decode-only steps' time per token (an "on" step with no drafts, catching up, is neither figure)
-            seconds = time.perf_counter() - t_step - (out.rebuild_s if status == "fallback" else 0.0)
+        self._settle = SETTLE_STEPS if step.prefills and self.gate.paired else max(0, self._settle - 1)
+        timed = not self._settle and (self.steps % HELD_EVERY == 0 or not (status == "fallback" and self.gate.holding))
+        if status != "off" and timed and (status != "on" or drafted):  # settled decode-only steps' time per token
+            # (an "on" step with no drafts, catching up, is neither figure; a resume's catch-up is a one-off, left out)
+            seconds = time.perf_counter() - t_step - out.catchup_s
             self.gate.observe_time(status, len(rows), seconds, sum(kept), max(r.k for r in rows))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         if self.cfg.check_invariants:

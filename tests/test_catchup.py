@@ -85,3 +85,34 @@ def test_speculation_with_catch_up_equals_plain() -> None:
     _, got = _drive(_engine(), range(5, 25), 40)
     n = min(len(want), len(got))
     assert n >= 39 and got[:n] == want[:n]
+
+
+def _drive_fallback(eng: Engine, fallback_steps: int, total: int) -> tuple[str, list[int]]:
+    """One greedy request whose first `fallback_steps` steps (its prefill included) run under the
+    gate's fallback: plain steps that skip the rebuild while speculation is expected back."""
+    decide = eng.gate.decide
+    eng.gate.decide = lambda batch: "fallback" if eng.steps < fallback_steps else decide(batch)
+    return _drive(eng, range(0), total)
+
+
+def test_a_prompt_prefilled_in_fallback_is_caught_up_on_resume() -> None:
+    """A request that arrives while the gate measures or holds plain decoding owes its prompt's
+    entries too: once the gate resumes, the drafter's cache equals an always-speculating engine's at
+    every committed position (prompt included), so its drafts read no stale entries."""
+    ref, eng = _engine(), _engine()
+    rid_ref, toks_ref = _drive(ref, range(0), 18)
+    rid, toks = _drive_fallback(eng, 9, 18)
+    n = min(len(toks), len(toks_ref)) - 4
+    prompt = len(eng._seqs[rid].prompt_ids)
+    assert n > 10 and torch.equal(_entries(eng, rid, prompt + n), _entries(ref, rid_ref, prompt + n))
+
+
+def test_a_policy_off_from_the_start_owes_nothing() -> None:
+    """Speculation off (not a fallback) from a request's first step: nothing is kept for it, so
+    plain decoding pays no catch-up bookkeeping; a fallback from the first step keeps its tokens."""
+    off, fallback = _engine("off"), _engine()
+    rid_off, _ = _drive(off, range(0), 6)
+    rid_fb, _ = _drive_fallback(fallback, 100, 6)
+    assert off.speculator.catch_up.owed(off._seqs[rid_off].seq_id) == 0
+    owed = fallback.speculator.catch_up.owed(fallback._seqs[rid_fb].seq_id)
+    assert owed == len(fallback._seqs[rid_fb].prompt_ids) + 5  # the prompt, then 5 decodes

@@ -53,7 +53,7 @@ def test_fresh_policy_judges_afresh_and_a_toggle_keeps_what_was_measured() -> No
 
 
 def test_a_new_bucket_is_measured_plain_first_and_judged_on_the_median_plain_step() -> None:
-    """A paired gate (a CPU's, whose baseline steps rebuild the drafter): once the engine times its
+    """A paired gate (a CPU's, whose baseline steps owe the drafter's entries): once the engine times its
     steps, a bucket with no figures starts with its baseline: plain steps only (not paired with
     speculative ones, whose neighbours ran slower), then speculates and is judged on the median plain
     step, which one slow step after a switch does not move. A losing bucket thus never speculates past
@@ -71,14 +71,45 @@ def test_a_new_bucket_is_measured_plain_first_and_judged_on_the_median_plain_ste
     assert timed_steps(gate, 2, spec_s=0.1, plain_s=0.1, batch=2) == ["fallback"] * 2  # a new bucket: plain first
 
 
-def test_a_paired_baseline_alternates_and_never_speculates_above_max_running_batch() -> None:
-    """A CPU's baseline (paired): plain and speculative steps in turn, judged when both figures are
-    in; a batch above max_running_batch meanwhile decodes plainly."""
+def test_a_paired_baseline_is_plain_and_judged_at_its_end() -> None:
+    """A CPU's baseline (paired) is plain steps only: it used to alternate plain and speculative steps,
+    but a plain step owes the drafter its entries, so the speculative step after it could not draft.
+    Its end judges at once on the bucket's speculative figure; a batch above max_running_batch
+    meanwhile decodes plainly."""
     gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=8,
                                        baseline_steps=4), Clock(), paired=True)
-    seen = timed_steps(gate, 3, spec_s=0.6, plain_s=0.1, batch=8)
-    assert seen == ["on", "on", "fallback"] and gate.snapshot()["reason"] == "baseline"
-    assert timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8) == ["on", "fallback", "on", "fallback"]
+    seen = timed_steps(gate, 2, spec_s=0.6, plain_s=0.1, batch=8)
+    assert seen == ["on", "on"] and gate.snapshot()["reason"] == "baseline"  # window full, no plain figure
+    assert timed_steps(gate, 4, spec_s=0.6, plain_s=0.1, batch=8) == ["fallback"] * 4
     assert gate.decide(16) == "fallback"
-    timed_steps(gate, 6, spec_s=0.6, plain_s=0.1, batch=8)
-    assert gate.snapshot()["slow_buckets"] == {8: 10.0}
+    assert timed_steps(gate, 1, spec_s=0.6, plain_s=0.1, batch=8) == ["fallback"]
+    assert gate.snapshot()["reason"] == "slow" and gate.snapshot()["slow_buckets"] == {8: 10.0}
+
+
+def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds() -> None:
+    """The engine reports no step time within SETTLE_STEPS of a prefill (the caches refill there:
+    a baseline taken there judged a losing batch faster speculating), and while a slow verdict holds
+    only one plain step in HELD_EVERY (the plain figure stays current at an eighth of the bookkeeping)."""
+    from pathlib import Path
+
+    from specialists.engine import Engine
+    from specialists.sampling import SamplingParams
+    from policies.gate import HELD_EVERY, SETTLE_STEPS
+
+    shell = Path(__file__).resolve().parents[1] / "deploy" / "models" / "shell"
+    eng = Engine.from_pretrained(shell, max_num_seqs=2, num_blocks=64,
+                                 policy=auto_policy(min_acceptance=0.0, min_speedup=1.0, window=1000))
+    timed, observe = [], eng.gate.observe_time
+    eng.gate.observe_time = lambda status, *a, **k: (timed.append((eng.steps, status)), observe(status, *a, **k))
+    eng.add_request(eng.tokenizer("ls -la", add_special_tokens=False)["input_ids"],
+                    SamplingParams(max_tokens=400, ignore_eos=True))
+    for _ in range(20):
+        eng.step()
+    assert timed and min(s for s, _ in timed) == SETTLE_STEPS  # the prefill was step 0
+    with eng.gate._lock:  # a slow verdict for every bucket, held
+        eng.gate._slow.update({b: (1e12, 1e12) for b in (1, 2, 4)})
+        eng.gate._enter("fallback", "slow")
+    timed.clear()
+    for _ in range(24):
+        eng.step()
+    assert [st for _, st in timed] == ["fallback"] * 3 and all(s % HELD_EVERY == 0 for s, _ in timed)
