@@ -119,7 +119,7 @@ def test_mma_rows_do_not_depend_on_the_call(split: int) -> None:
         D.mma(torch.zeros(D.MAX_ROWS + 1, 256, device=DEV, dtype=DT), w)
     with pytest.raises(ValueError, match="row-major"):
         D.mma(x[:, :50], w)
-    with pytest.raises(ValueError, match="column blocks"):  # the counters' buffer is never replaced
+    with pytest.raises(ValueError, match="arrival counters"):  # the counters' buffer is never replaced
         huge = torch.zeros(1, 256, device=DEV, dtype=DT).expand(16 * D.LOCK_SLOTS + 16, 256)  # no memory
         D.mma(x[:1], huge, config=(16, 32, 4, 2, 2))
 

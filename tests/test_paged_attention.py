@@ -110,12 +110,14 @@ def test_batch_metadata() -> None:
 
 
 
+@pytest.mark.parametrize("seed", [7, 13])
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
-def test_static_kernel_matches_dense(q_len: int, hq: int, hkv: int) -> None:
+def test_static_kernel_matches_dense(seed: int, q_len: int, hq: int, hkv: int) -> None:
     """The CUDA backend's kernel for static half-precision batches (attention_cuda.py; on CPU through
     Triton's interpreter) over a padded-width static batch, the pool full of NaN garbage elsewhere:
-    each row's tokens equal dense causal attention, and a wider static width gives the same bits."""
+    each row's tokens equal dense causal attention, and a wider static width gives the same bits.
+    Seed 13 has a context of 79 + q tokens: two chunks of keys, combined by the last to arrive."""
     pytest.importorskip("triton")
     import os
 
@@ -124,7 +126,7 @@ def test_static_kernel_matches_dense(q_len: int, hq: int, hkv: int) -> None:
     from specialists.ops.attention import use_static_kernel
     from specialists.ops.attention_cuda import paged_attention_static
 
-    steps, seqs, k_pool, v_pool = _case(7, 16, hq, hkv, [q_len] * 3, float("nan"))
+    steps, seqs, k_pool, v_pool = _case(seed, 16, hq, hkv, [q_len] * 3, float("nan"))
     batch = ForwardBatch.build(steps, 16)
     q = torch.cat([s[0] for s in seqs])
     write_kv(torch.cat([k[old:] for _, k, _, old in seqs]), torch.cat([v[old:] for _, _, v, old in seqs]),

@@ -2,9 +2,11 @@
 verify steps, CUDA graphs) in half precision, Triton kernels read each query's keys straight from the
 paged pool through the block table: no gathered [B, width] context, no masks, ~12 kernels fewer per
 layer. FlashDecoding-style: the keys of a query are split into chunks of CHUNK, one program per
-(token, KV head, chunk) keeps a running max, sum and weighted values (fp32), and a second kernel
-combines the chunks. At batch 1 that is 8 heads x (context / 64) programs instead of 8 (one program
-per token and head took 17 us per layer at a 400-token context on an H100).
+(token, KV head, chunk) keeps a running max, sum and weighted values (fp32), and the last program of
+a (token, head) to arrive combines the chunks in chunk order (an arrival counter per (token, head),
+as decode_fused's split-K): one kernel per layer, not two. At batch 1 that is 8 heads x (context /
+64) programs instead of 8 (one program per token and head took 17 us per layer at a 400-token
+context on an H100).
 
 A query token's result depends only on its own keys, in a fixed order: not on how many tokens its
 row verifies (1 or K+1) nor on the static width (chunks past a query's keys add exact zeros), so a
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from specialists.models.batch import ForwardBatch
+from specialists.ops.decode_fused import arrival_locks
 
 __all__ = ["paged_attention_static", "CHUNK"]
 
@@ -26,15 +29,14 @@ CHUNK = 64  # keys per program
 
 
 @triton.jit(do_not_specialize=["tokens_per_row", "stride_tab"])
-def _chunk_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, stride_tab, tokens_per_row, scale,
-                  G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, CH: tl.constexpr):
+def _attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, lock_ptr, stride_tab,
+                      tokens_per_row, scale, G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                      NSPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, CH: tl.constexpr):
     t = tl.program_id(0)  # query token
     h = tl.program_id(1)  # KV head: its G query heads are the rows
     s = tl.program_id(2)  # chunk of keys [s * CH, (s + 1) * CH)
     r = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, HD)
-    out = ((t * HKV + h) * NSPLIT + s) * BLOCK_Q + r  # this program's partial rows
     lim = tl.load(pos_ptr + t) + 1  # causal: keys [0, position]
     n = s * CH + tl.arange(0, CH)
     nm = n < lim
@@ -55,32 +57,30 @@ def _chunk_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr
         p = tl.exp(sc - m_i[:, None])
         l_i = tl.sum(p, axis=1)
         acc = tl.dot(p, vt, input_precision="ieee")
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
-    tl.store(acc_ptr + out[:, None] * HD + d[None, :], acc)
-
-
-@triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
-                    NSPLIT: tl.constexpr, BLOCK_Q: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    r = tl.arange(0, BLOCK_Q)
-    d = tl.arange(0, HD)
-    base = (t * HKV + h) * NSPLIT * BLOCK_Q
-    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    for s in range(NSPLIT):  # the running max over chunks, in chunk order
-        m = tl.maximum(m, tl.load(m_ptr + base + s * BLOCK_Q + r))
-    l_sum = tl.zeros((BLOCK_Q,), tl.float32)
-    o = tl.zeros((BLOCK_Q, HD), tl.float32)
-    for s in range(NSPLIT):
-        row = base + s * BLOCK_Q + r
-        w = tl.exp(tl.load(m_ptr + row) - m)  # 0 for an empty chunk (m = -inf)
-        l_sum += w * tl.load(l_ptr + row)
-        o += w[:, None] * tl.load(acc_ptr + row[:, None] * HD + d[None, :])
-    o = o / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    rv = r < G
-    tl.store(o_ptr + (t * (HKV * G) + h * G + r[:, None]) * HD + d[None, :], o, mask=rv[:, None])
+    last = True
+    if NSPLIT > 1:  # partials out; the last program of (t, h) to arrive combines them, in chunk order
+        base = (t * HKV + h) * NSPLIT * BLOCK_Q
+        out = base + s * BLOCK_Q + r
+        tl.store(m_ptr + out, m_i)
+        tl.store(l_ptr + out, l_i)
+        tl.store(acc_ptr + out[:, None] * HD + d[None, :], acc)
+        tl.debug_barrier()
+        last = tl.atomic_add(lock_ptr + t * HKV + h, 1, sem="acq_rel") == NSPLIT - 1
+        if last:
+            m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+            for c in range(NSPLIT):  # the running max over chunks, in chunk order
+                m = tl.maximum(m, tl.load(m_ptr + base + c * BLOCK_Q + r, cache_modifier=".cg"))
+            l_i = tl.zeros((BLOCK_Q,), tl.float32)
+            acc = tl.zeros((BLOCK_Q, HD), tl.float32)
+            for c in range(NSPLIT):
+                row = base + c * BLOCK_Q + r
+                w = tl.exp(tl.load(m_ptr + row, cache_modifier=".cg") - m)  # 0 for an empty chunk (m = -inf)
+                l_i += w * tl.load(l_ptr + row, cache_modifier=".cg")
+                acc += w[:, None] * tl.load(acc_ptr + row[:, None] * HD + d[None, :], cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + t * HKV + h, 0)
+    if last:  # one chunk: its own sums (the combine of one chunk is exact: weight exp(0) = 1)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + (t * (HKV * G) + h * G + r[:, None]) * HD + d[None, :], o, mask=(r < G)[:, None])
 
 
 def paged_attention_static(
@@ -95,13 +95,14 @@ def paged_attention_static(
     g = H // hkv
     bq = max(16, triton.next_power_of_2(g))
     nsplit = triton.cdiv(batch.max_context_len, CHUNK)  # the static width: a shape of the graph
-    m = torch.empty(T * hkv * nsplit * bq, dtype=torch.float32, device=q.device)
+    parts = T * hkv * nsplit * bq if nsplit > 1 else 1  # one chunk: no partials
+    m = torch.empty(parts, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
-    acc = torch.empty(T * hkv * nsplit * bq, hd, dtype=torch.float32, device=q.device)
+    acc = torch.empty(parts, hd, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
     tables = batch.block_tables
-    _chunk_kernel[(T, hkv, nsplit)](q, k_cache_layer, v_cache_layer, tables, batch.positions, m, l_, acc, tables.stride(0),
-                                    batch.max_query_len, hd ** -0.5 if scale is None else scale,
-                                    G=g, HKV=hkv, HD=hd, BS=bs, NSPLIT=nsplit, BLOCK_Q=bq, CH=CHUNK)
-    _combine_kernel[(T, hkv)](m, l_, acc, o, G=g, HKV=hkv, HD=hd, NSPLIT=nsplit, BLOCK_Q=bq)
+    _attention_kernel[(T, hkv, nsplit)](q, k_cache_layer, v_cache_layer, tables, batch.positions, m, l_, acc, o,
+                                        arrival_locks(q.device, T * hkv), tables.stride(0), batch.max_query_len,
+                                        hd ** -0.5 if scale is None else scale,
+                                        G=g, HKV=hkv, HD=hd, BS=bs, NSPLIT=nsplit, BLOCK_Q=bq, CH=CHUNK)
     return o

@@ -134,12 +134,13 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 LOCK_SLOTS = 1 << 16  # column blocks of one split-K product at most (N <= 1M outputs at 16 a block)
 
 
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Per-column-block arrival counters of the split-K programs, zero between calls (the last
-    program of a block resets its counter). One buffer per device, never replaced: captured graphs
-    keep its address."""
+def arrival_locks(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters, zero between calls: a split-K product's per column block, the decode
+    attention's per (token, KV head) (attention_cuda.py); the last program to arrive resets its
+    counter. One buffer per device, never replaced: captured graphs keep its address. Kernels that
+    use it run one after another on a stream, each leaving it zeroed."""
     if n > LOCK_SLOTS:
-        raise ValueError(f"a split-K product of {n} column blocks (at most {LOCK_SLOTS})")
+        raise ValueError(f"{n} arrival counters asked for (at most {LOCK_SLOTS})")
     t = _LOCKS.get(device)
     if t is None:
         t = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
@@ -240,7 +241,7 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     if split > 1:
         ws = torch.empty(blocks * split * bn * bm, dtype=torch.float32, device=x.device)
         ss = torch.empty(blocks * split * bm, dtype=torch.float32, device=x.device)
-        locks = _locks(x.device, blocks)
+        locks = arrival_locks(x.device, blocks)
     _mma_kernel[(blocks, split)](
         x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
         x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None,
