@@ -258,7 +258,7 @@ class Engine:
                 self.speculator.forget(row.seq.seq_id)
         drafted = any(row.k for row in rows)
         self._settle = SETTLE_STEPS if step.prefills and self.gate.paired else max(0, self._settle - 1)
-        timed = not self._settle and (self.steps % HELD_EVERY == 0 or not (status == "fallback" and self.gate.holding))
+        timed = not (step.prefills or self._settle) and (self.steps % HELD_EVERY == 0 or not (status == "fallback" and self.gate.holding))
         if status != "off" and timed and (status != "on" or drafted):  # settled decode-only steps' time per token
             # (an "on" step with no drafts, catching up, is neither figure; a resume's catch-up is a one-off, left out)
             seconds = time.perf_counter() - t_step - out.catchup_s

@@ -89,7 +89,8 @@ def test_a_paired_baseline_is_plain_and_judged_at_its_end() -> None:
 def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds() -> None:
     """The engine reports no step time within SETTLE_STEPS of a prefill (the caches refill there:
     a baseline taken there judged a losing batch faster speculating), and while a slow verdict holds
-    only one plain step in HELD_EVERY (the plain figure stays current at an eighth of the bookkeeping)."""
+    only one plain step in HELD_EVERY (the plain figure stays current at an eighth of the bookkeeping).
+    A GPU's gate (not paired) has no settle, but a step that prefills is never timed either."""
     from pathlib import Path
 
     from specialists.engine import Engine
@@ -113,3 +114,12 @@ def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds()
     for _ in range(24):
         eng.step()
     assert [st for _, st in timed] == ["fallback"] * 3 and all(s % HELD_EVERY == 0 for s, _ in timed)
+    eng.gate.paired = False  # a GPU's gate: no settle, but a step that prefills is never timed
+    eng.gate.set_policy(eng.gate.policy, fresh=True)
+    eng.step()  # speculating again: the running request drafts in the steps below
+    timed.clear()
+    eng.add_request(eng.tokenizer("pwd", add_special_tokens=False)["input_ids"], SamplingParams(max_tokens=8))
+    prefill_step = eng.steps
+    eng.step()
+    eng.step()
+    assert [s for s, _ in timed] == [prefill_step + 1]
