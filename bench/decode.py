@@ -300,7 +300,7 @@ def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | N
         first = None
         for r in range(repeat):
             a, b = engines if (i + r) % 2 == 0 else engines[::-1]  # the engines swap sides every other run
-            runs = {}  # and which side runs first swaps too (the second of a pair ran ~6% slower on an H100)
+            runs = {}  # and which side runs first swaps too: neither side always runs second
             for speculate in ((False, True) if (i // 2 + r) % 2 == 0 else (True, False)):
                 runs[speculate] = timed(lambda x: sides.run_as(b if speculate else a, speculate, x), [batch],
                                         sides.device, "", quiet=True)

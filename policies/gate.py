@@ -164,7 +164,6 @@ class SpeculationGate:
         # multi-step graphs): a bucket's plain figure comes first, and a baseline's end judges at once
         self.paired = paired
         self._timed = False  # the engine reports step times (observe_time): a bucket's plain figure comes first
-        self._first = False  # the baseline under way is a bucket's first (plain steps only, before speculating)
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -209,7 +208,6 @@ class SpeculationGate:
                 self._enter("fallback", "slow")
             elif self._status == "on" and self._plain_first(_bucket(running_batch)):
                 self._fall_back("baseline")
-                self._first = True
             return self._status
 
     def _plain_first(self, b: int) -> bool:  # under the lock
@@ -217,9 +215,9 @@ class SpeculationGate:
         gate (its baseline steps owe the drafter entries that the catch-up writes on resume), the
         time gate on, the engine timing its steps, and b with neither figure. Taken first, the plain
         steps run as plain steps do in serving; paired with speculative steps they ran 10-15% slower
-        (right after a verify), which kept build's batch 8 speculating at 0.8x. On a GPU's multi-step
-        graphs (not paired) a baseline cannot rebuild the drafter, and plain-first cost cpp and
-        python 12% at batch 8 (bench/RESULTS.md)."""
+        (right after a verify), which kept build's batch 8 speculating at 0.8x. A GPU's multi-step graphs
+        (not paired) keep no per-token hidden states, so nothing catches the drafter up after a plain
+        stretch, and plain-first cost cpp and python 12% at batch 8 (bench/RESULTS.md)."""
         return (self.paired and self._timed and self._policy.auto.min_speedup > 0 and b not in self._plain_spt
                 and b not in self._spec_spt)
 
@@ -381,7 +379,6 @@ class SpeculationGate:
 
     def _enter(self, status: Status, reason: Reason) -> None:  # under the lock
         self.holding = status == "fallback" and reason == "slow"  # read without the lock (one bool)
-        self._first = False
         self._status = status
         self._reason = reason
         self._since = self._clock()

@@ -75,8 +75,7 @@ class Speculator:
         owe_new: bool = False,  # without the rebuild: new prompts' entries owed too (the gate's fallback)
     ) -> tuple[list[Row], StepOutput]:
         t0 = time.perf_counter()
-        plan = self.plan(prefills, decodes, method, typical, rebuild)
-        plan.owe_new = owe_new and not rebuild
+        plan = self.plan(prefills, decodes, method, typical, rebuild, owe_new)
         proposal = self.propose(plan)
         t1 = time.perf_counter()
         forward = self.verify(plan, proposal)
@@ -88,13 +87,13 @@ class Speculator:
     # ---- plan -> propose -> verify -> accept -> finish ------------------------------------------
 
     def plan(self, prefills: list[tuple[Any, list[int]]], decodes: list[Any], method: Method,
-             typical: TypicalParams, rebuild: bool) -> StepPlan:
+             typical: TypicalParams, rebuild: bool, owe_new: bool = False) -> StepPlan:
         drafting = self.drafter is not None
         want = [seq.spec_k if drafting and seq.draft_ok else 0 for seq in decodes]
         rows = [Row(seq, True, list(toks)) for seq, toks in prefills]
         rows += [Row(seq, False, [seq.output_ids[-1]], k) for seq, k in zip(decodes, want)]
         plan = StepPlan(rows, k=max(want, default=0), method=method, typical=typical, rebuild=rebuild,
-                        greedy=all(r.seq.params.greedy for r in rows))
+                        greedy=all(r.seq.params.greedy for r in rows), owe_new=owe_new and not rebuild)
         guided = {b: g for b, g in enumerate(active_guide(r.seq) for r in rows) if g is not None}
         if guided:  # grammar masks: filled on the host as the chain goes, applied before acceptance
             plan.masks = StepMasks(self.vocab_size, plan.k, guided, self.device,

@@ -131,7 +131,7 @@ def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
-LOCK_SLOTS = 1 << 16  # column blocks of one split-K product at most (N <= 1M outputs at 16 a block)
+LOCK_SLOTS = 1 << 16  # arrival counters at most: a split-K product's column blocks, the attention's (token, head)s
 
 
 def arrival_locks(device: torch.device, n: int) -> torch.Tensor:
