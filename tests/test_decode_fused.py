@@ -144,3 +144,33 @@ def test_fused_products_bench_runs_and_agrees(tmp_path, capsys) -> None:
     assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 16
     assert all(r["max_abs_diff"] < 1e-4 for r in rows), [(r["piece"], r["max_abs_diff"]) for r in rows]
     assert all(r["weight_mb"] > 0 for r in rows if r["piece"] not in ("norm", "silu_mul"))
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch is a CUDA launch option")
+def test_small_products_launched_early_keep_the_stream_order(monkeypatch) -> None:
+    """On Hopper a product of a small weight launches while the kernel before it runs and waits for it
+    (decode_fused.pdl): a chain of products that each read the last one's output gives the bits it
+    gives with plain launches, eagerly and replayed in a CUDA graph."""
+    g, w1 = _operands(1024, 1024, 8)  # 2 MiB each: under PDL_BYTES
+    w2 = (torch.randn(1024, 1024, device=DEV, generator=g) / 32).to(DT)
+    x = torch.randn(1, 1024, device=DEV, generator=g).to(DT)
+    gain = (torch.rand(1024, device=DEV, generator=g) + 0.5).to(DT)
+    if not D.pdl(x.device):
+        pytest.skip("programmatic dependent launch needs a Hopper GPU or later")
+
+    def chain(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(6):
+            D.mma(D.mma(h, w1, gain=gain, eps=1e-6), w2, residual=h)
+        return h
+
+    early = chain(x.clone())
+    h = x.clone()
+    chain(h.clone())  # compiles before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(h)
+    graph.replay()
+    monkeypatch.setitem(D._PDL, x.device, False)
+    plain = chain(x.clone())
+    assert torch.equal(early, plain) and torch.equal(h, plain)
+    assert not torch.equal(plain, x)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
-from specialists.ops.attention import HALF, paged_attention, write_kv
+from specialists.ops.attention import HALF, paged_attention, use_static_kernel, write_kv
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import linear
 
@@ -130,9 +130,11 @@ class MLPWeights:
 
 
 def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+           k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch,
+           let_next: bool = False) -> torch.Tensor:
     """The fused q/k/v product [T, (H_q + 2 H_kv) D] -> attention output [T, H_q D]: RoPE on q and k,
-    k and v written to the pool at the batch's slots, q over its sequence's keys."""
+    k and v written to the pool at the batch's slots, q over its sequence's keys. let_next: the o
+    product after it launches early (decode_fused.launches_early); the static kernel lets it."""
     T = qkv.shape[0]
     if qkv.is_cuda and qkv.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
         from specialists.ops.rope_kv import rope_write_kv  # Triton: a GPU install has it
@@ -144,7 +146,12 @@ def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         qk = Rope.apply(qk.view(T, w.num_heads + w.num_kv_heads, w.head_dim), cos, sin)  # q and k heads rotated at once
         q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
         write_kv(k, v.view(T, w.num_kv_heads, w.head_dim), k_cache_layer, v_cache_layer, batch.slot_mapping)
-    o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
+    if let_next and use_static_kernel(q, batch):
+        from specialists.ops.attention_cuda import paged_attention_static  # Triton: a GPU install has it
+
+        o = paged_attention_static(q, k_cache_layer, v_cache_layer, batch, w.head_dim ** -0.5, let_next=True)
+    else:
+        o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
     return o.reshape(T, w.num_heads * w.head_dim)
 
 
@@ -204,8 +211,11 @@ def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torc
                     sin: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch,
                     path: str) -> None:
     """h += attention_block(w, rms_norm(h) * gain, ...), in place, on fused_step's path."""
+    from specialists.ops import decode_fused
+
     qkv = _product(h, w.qkv, w.qkv_bias, gain, eps, path)
-    _add_product(h, attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch), w.o_proj, w.o_bias, path)
+    let_next = path == "mma" and decode_fused.launches_early(w.o_proj)
+    _add_product(h, attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch, let_next), w.o_proj, w.o_bias, path)
 
 
 def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, path: str) -> None:

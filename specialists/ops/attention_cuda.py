@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from specialists.models.batch import ForwardBatch
 from specialists.ops.decode_fused import arrival_locks
@@ -31,7 +32,9 @@ CHUNK = 64  # keys per program
 @triton.jit(do_not_specialize=["tokens_per_row", "stride_tab"])
 def _attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, lock_ptr, stride_tab,
                       tokens_per_row, scale, G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                      NSPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, CH: tl.constexpr):
+                      NSPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, CH: tl.constexpr, LET_NEXT: tl.constexpr):
+    if LET_NEXT:  # the next kernel, a product launched early (decode_fused.launches_early), may launch now
+        gdc_launch_dependents()
     t = tl.program_id(0)  # query token
     h = tl.program_id(1)  # KV head: its G query heads are the rows
     s = tl.program_id(2)  # chunk of keys [s * CH, (s + 1) * CH)
@@ -89,6 +92,7 @@ def paged_attention_static(
     v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     batch: ForwardBatch,
     scale: float | None = None,
+    let_next: bool = False,  # the next kernel launches early (a small o product): let it once every program runs
 ) -> torch.Tensor:  # [Tp, H_q, D]
     T, H, hd = q.shape
     bs, hkv = k_cache_layer.shape[1], k_cache_layer.shape[2]
@@ -104,5 +108,6 @@ def paged_attention_static(
     _attention_kernel[(T, hkv, nsplit)](q, k_cache_layer, v_cache_layer, tables, batch.positions, m, l_, acc, o,
                                         arrival_locks(q.device, T * hkv), tables.stride(0), batch.max_query_len,
                                         hd ** -0.5 if scale is None else scale,
-                                        G=g, HKV=hkv, HD=hd, BS=bs, NSPLIT=nsplit, BLOCK_Q=bq, CH=CHUNK)
+                                        G=g, HKV=hkv, HD=hd, BS=bs, NSPLIT=nsplit, BLOCK_Q=bq, CH=CHUNK,
+                                        LET_NEXT=let_next)
     return o

@@ -8,7 +8,7 @@ kernels and the small kernels' fixed cost held a 1B model at 2.3x its bandwidth 
   mma (at most MMA_ROWS rows: batch 1's decodes and verifies, batch 8's decodes and K = 3 verifies):
       four products per layer, each a Triton kernel on the tensor cores that carries its neighbours:
       RMSNorm before q/k/v and gate/up, SiLU * up before down, the residual add after o and down (in
-      place). A layer is 7 kernels with RoPE + KV write and the two attention kernels. The rows sit in
+      place). A layer is 6 kernels with RoPE + KV write and the attention. The rows sit in
       a tile of 16, 32 or 64 (the rest zeros) and the weights stream once, so 1 to 16 rows cost the
       same (llama-1b's layer: 59.4 us at one row, 59.8 at eight; bench/RESULTS.md). Every row runs the
       same instructions whatever the row count, its slot or the tile (the tensor cores accumulate a
@@ -23,6 +23,9 @@ ops round; under the RMSNorm, x * gain is rounded and the product scaled by the 
 + eps) after (the norm's sum of squares accumulates in the same pass over x); products accumulate in
 fp32 and are rounded before the residual add. Prefills keep the torch ops. With TRITON_INTERPRET=1
 the kernels run on CPU tensors (tests). CANTATA_FUSED_DECODE=0 turns both paths off (A/B runs).
+
+On Hopper, products of small weights (PDL_BYTES) launch early under programmatic dependent launch
+and pull their weights into L2 while the kernel before them finishes (CANTATA_PDL=0: off).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specialists.ops.attention import HALF
 
-__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "MAX_ROWS", "MMA_ROWS"]
+__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "pdl", "launches_early", "MAX_ROWS",
+           "MMA_ROWS"]
 
 MAX_ROWS = 64  # decodes and verifies of up to 8 sequences at K = 7 (prefills keep the torch ops)
 
@@ -147,6 +152,45 @@ def arrival_locks(device: torch.device, n: int) -> torch.Tensor:
     return t
 
 
+_PDL: dict[torch.device, bool] = {}
+# Programmatic dependent launch for products whose weight is at most this many bytes: the product
+# launches as soon as every program of the kernel before it runs (that kernel lets it: a product
+# launched early, or the attention before an early o product), asks L2 for its whole weight slice,
+# then waits for that kernel (complete, its writes visible). smollm2-135m's products (0.7-3.5 MB)
+# stream while the kernel before finishes: 0.92-0.97 ms a token against 1.07-1.21 without (H100,
+# 2026-11-26 session 11). Larger products keep the plain launch: with it llama-1b was 3-6% slower,
+# with or without the prefetch (a 67 MB gate/up's prefetches evict each other).
+PDL_BYTES = int(float(os.environ.get("CANTATA_PDL_MB", "4")) * (1 << 20))
+
+
+def pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch on this device: Hopper or later, CANTATA_PDL not 0."""
+    if device not in _PDL:
+        _PDL[device] = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+                        and os.environ.get("CANTATA_PDL", "1") != "0")
+    return _PDL[device]
+
+
+def launches_early(w: torch.Tensor) -> bool:
+    """Whether `mma` launches the product of weight w under programmatic dependent launch."""
+    return pdl(w.device) and w.numel() * w.element_size() <= PDL_BYTES
+
+
+@triton.jit
+def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Under PDL: lets the next kernel launch, asks L2 for this program's weight slice (one prefetch
+    per 128-byte line) while the kernel before still runs, then waits for that kernel."""
+    if PDL:
+        gdc_launch_dependents()
+        for c0 in range(0, KS, BLOCK_K):
+            cols = pk * KS + c0 + tl.arange(0, BLOCK_K // 64) * 64
+            ptrs = tl.where(mn[:, None] & (cols < K)[None, :], wrow + cols[None, :], w_ptr)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        gdc_wait()
+
+
 @triton.jit
 def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, dt: tl.constexpr):
     """out = round(acc (+ bias)), or out = round(out + round(acc (+ bias))) with the residual."""
@@ -162,7 +206,7 @@ def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, 
 def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x,
                 stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                KS: tl.constexpr):
+                KS: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
     and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor
     cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column
@@ -177,6 +221,7 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     dt = w_ptr.dtype.element_ty
     wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    _await_inputs(w_ptr, wrow, mn, pk, K, KS, BLOCK_K, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, KS, BLOCK_K):
@@ -242,9 +287,10 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
         ws = torch.empty(blocks * split * bn * bm, dtype=torch.float32, device=x.device)
         ss = torch.empty(blocks * split * bm, dtype=torch.float32, device=x.device)
         locks = arrival_locks(x.device, blocks)
+    early = launches_early(w) and bk >= 64
     _mma_kernel[(blocks, split)](
         x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
         x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, KS=triton.cdiv(triton.cdiv(k, split), bk) * bk,
-        num_warps=warps, num_stages=stages)
+        PDL=early, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}))
     return out
