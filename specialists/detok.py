@@ -42,7 +42,7 @@ def text_of(tokenizer: Any, seq: Any, ids: list[int], advance: bool = True) -> s
     pos, text, last = seq.detok
     if pos > len(ids) or (pos and ids[pos - 1] != last):  # not an extension of the last ids: start over
         pos, text = 0, ""
-    tail = tokenizer.decode(ids[pos:])
+    tail = tokenizer.backend_tokenizer.decode(ids[pos:], skip_special_tokens=False)  # = tokenizer.decode here, ~3x faster
     out = text + tail
     if advance:
         if len(ids) - pos >= STRIDE and not tail.endswith("\ufffd"):

@@ -188,39 +188,42 @@ class Runner:
         return _Layout(B=B, T=T, Bp=B + pad, Tp=T + pad * q, q_pad=q, width=width, static=static)
 
     def _write_rows(self, rows: list[BatchRow], starts: list[int], tables: list[list[int]], lay: _Layout) -> int:
-        """Stages every real row (tokens, positions, slots, table, context); -> its logits rows."""
-        inp, bs = self.inputs, self.kv.block_size
+        """Stages every real row (tokens, positions, slots, table, context); -> its logits rows. Whole
+        arrays at once: one Python pass over the rows builds the flat token and table lists."""
+        inp, bs, B = self.inputs, self.kv.block_size, len(rows)
         ids, pos, slots, tseq, tq, lidx = (inp.staging(f, lay.Tp) for f in StaticInputs.TOKEN_FIELDS)
-        ctx, sslot = inp.staging("context_lens", lay.Bp), inp.staging("ssm_slots", lay.Bp)
         qsl = inp.staging("query_start_loc", lay.Bp + 1)
         tab = inp.tables(lay.Bp, lay.width)
         tab[:] = 0
+        q = np.fromiter((row.q for row in rows), np.int64, B)
+        end = np.asarray(starts, dtype=np.int64) + q
+        lens = np.fromiter(map(len, tables), np.int64, B)
+        short = np.flatnonzero(lens * bs < end)
+        if short.size:
+            b = int(short[0])
+            raise ValueError(f"seq {rows[b].seq_id}: block table covers {lens[b] * bs} < {end[b]} positions")
         qsl[0] = 0
-        t = n_logits = 0
-        for b, (row, start, table) in enumerate(zip(rows, starts, tables)):
-            q, n = row.q, len(row.tokens)
-            end = start + q
-            if len(table) * bs < end:
-                raise ValueError(f"seq {row.seq_id}: block table covers {len(table) * bs} < {end} positions")
-            ids[t:t + n] = row.tokens
-            ids[t + n:t + q] = 0  # the drafts' places: `run` puts them in on the device
-            p = np.arange(start, end)
-            pos[t:t + q] = p
-            slots[t:t + q] = flat_slots(table, start, end, bs)
-            tseq[t:t + q] = b
-            tq[t:t + q] = np.arange(q)
-            tab[b, :len(table)] = table
-            ctx[b] = end
-            sslot[b] = row.ssm_slot
-            if row.prefill:  # a prefill wants its last token's logits, a decode / verify every token's
-                lidx[n_logits] = t + q - 1
-                n_logits += 1
-            else:
-                lidx[n_logits:n_logits + q] = np.arange(t, t + q)
-                n_logits += q
-            t += q
-            qsl[b + 1] = t
-        return n_logits
+        np.cumsum(q, out=qsl[1:B + 1])
+        T = int(qsl[B])
+        flat_ids: list[int] = []
+        flat_tab: list[int] = []
+        for row, table in zip(rows, tables):
+            flat_ids += row.tokens
+            flat_ids += [0] * (row.q - len(row.tokens))  # the drafts' places: `run` puts them in on the device
+            flat_tab += table
+        ids[:T] = flat_ids
+        tab[np.repeat(np.arange(B), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)] = flat_tab
+        tseq[:T] = np.repeat(np.arange(B), q)
+        tq[:T] = np.arange(T) - np.repeat(qsl[:B], q)
+        pos[:T] = np.repeat(end - q, q) + tq[:T]
+        slots[:T] = tab[tseq[:T], pos[:T] // bs] * bs + pos[:T] % bs
+        inp.staging("context_lens", lay.Bp)[:B] = end
+        inp.staging("ssm_slots", lay.Bp)[:B] = [row.ssm_slot for row in rows]
+        # a prefill wants its last token's logits, a decode / verify every token's
+        prefill = np.fromiter((row.prefill for row in rows), bool, B)
+        keep = np.flatnonzero(~np.repeat(prefill, q) | (tq[:T] == np.repeat(q - 1, q)))
+        lidx[:keep.size] = keep
+        return int(keep.size)
 
     def _views(self, lay: _Layout, nb: int, nt: int, nl: int, seq_ids: list[int], qlens: list[int],
                is_prefill: list[bool], max_ctx: int) -> ForwardBatch:
