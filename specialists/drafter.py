@@ -173,8 +173,9 @@ class PagedDrafter:
 
         With a guide, each depth's logits are masked by the grammar (the guide reads the previous
         depth's drafts on the host), and a row's count ends at a draft the grammar refuses."""
-        if self.native is not None and guide is None and self.min_confidence == 0:
-            return self.native.chain(prev, committed, tables, k), [k] * prev.shape[0]
+        if self.native is not None and self.min_confidence == 0:
+            drafts = self.native.chain(prev, committed, tables, k, guide)
+            return drafts, ([k] * prev.shape[0] if guide is None else list(guide.counts))
         cmax = max(committed)
         tab = tables[:, : -(-cmax // self.block_size)].reshape(-1).long()
         c = device_ints(committed, prev.device)

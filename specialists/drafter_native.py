@@ -5,7 +5,8 @@ Same computation as PagedDrafter's torch path (norms as x / |x| with the gains f
 weights, int8 products, RoPE from the drafter's signed table, entries in the pool through the target's
 block tables, chained entries in a dense tail), with int16 activations instead of bf16. Drafts only
 propose, so the two paths need not agree bit for bit; tests/test_native.py checks that they draft alike.
-Used for plain greedy chains; a chain under a grammar or a confidence floor stays in torch.
+Used for greedy chains, under a grammar too (a call back to the host before each depth); a chain
+with a confidence floor stays in torch.
 """
 
 from __future__ import annotations
@@ -71,8 +72,13 @@ class NativeDrafter:
             raise MemoryError("the native drafter rebuild could not allocate its scratch")
         return out
 
-    def chain(self, prev: torch.Tensor, committed: list[int], tables: torch.Tensor, k: int) -> torch.Tensor:
-        """PagedDrafter.chain without a guide or a confidence floor -> drafts [B, k] int64."""
+    def chain(self, prev: torch.Tensor, committed: list[int], tables: torch.Tensor, k: int,
+              guide: Any = None) -> torch.Tensor:
+        """PagedDrafter.chain without a confidence floor -> drafts [B, k] int64. With a guide
+        (spec.grammar.DraftMasks over these rows) each draft is the best token its grammar allows: the
+        kernel calls back before each depth, the guide reads the drafts so far and writes the depth's
+        bitmasks (as the GPU's guided chain does between its graphs); guide.counts holds what each row
+        may verify after."""
         B = prev.shape[0]
         drafts = torch.empty(B, k, dtype=torch.int64)
         self.d._grow(max(committed) + k + 1)
@@ -81,9 +87,36 @@ class NativeDrafter:
         tab = native.int64(tables)
         p = prev.float().contiguous()
         ints = self._ints(B, tab.shape[1])
+        words = free = depth = None
+        errors: list[BaseException] = []
+        if guide is not None:
+            words = torch.full((B, guide.words), -1, dtype=torch.int32)
+            free = torch.empty(B, k, dtype=torch.int64)
+
+            def on_depth(j: int) -> int:  # draft j-1 is in drafts; draft j's masks into words
+                try:
+                    last = None
+                    if j:
+                        last = drafts[:, j - 1].tolist()
+                        guide.note_host(last, free[:, j - 1].tolist())
+                    guide.depth_words(j, last, words)
+                    return 0
+                except BaseException as e:  # noqa: BLE001 - an exception cannot cross the C frames
+                    errors.append(e)
+                    return 1
+
+            depth = native.DEPTH_FN(on_depth)
         rc = native.library().cantata_mtp_chain(
             ints.data_ptr(), self.floats.data_ptr(), p.data_ptr(), c.data_ptr(), tab.data_ptr(),
-            rope.data_ptr(), rope.shape[0], k, drafts.data_ptr(), self.table.data_ptr())
+            rope.data_ptr(), rope.shape[0], k, drafts.data_ptr(), self.table.data_ptr(),
+            None if words is None else words.data_ptr(), 0 if words is None else words.shape[1],
+            None if free is None else free.data_ptr(), depth if depth is not None else native.DEPTH_FN())
+        if errors:
+            raise errors[0]
         if rc:
             raise RuntimeError(f"the native drafter chain failed ({rc})")
+        if guide is not None:
+            last = drafts[:, k - 1].tolist()
+            guide.note_host(last, free[:, k - 1].tolist())
+            guide.finish_host(last, k)
         return drafts

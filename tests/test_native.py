@@ -188,6 +188,35 @@ def test_native_drafter_rebuilds_and_drafts_like_the_torch_path() -> None:
     assert same >= 0.95, float(same)
 
 
+@needs_native
+def test_native_guided_chain_drafts_under_the_mask_like_the_torch_path() -> None:
+    """A chain under a grammar runs natively (the kernel calls back to the host before each depth for
+    the masks): constrained speculative output equals plain constrained output, and it drafts what the
+    torch chain drafts under the same masks (the same drafts, kept and changed by the mask, counted)."""
+    from specialists.chat import render
+    from specialists.sampling import SamplingParams
+    from specialists.wire import GrammarSpec
+
+    schema = {"type": "object", "properties": {"command": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["command", "count"]}
+    prompts = [render([{"role": "user", "content": q}], None, True) for q in ("list files by size", "show disk usage")]
+    results, guided = {}, []
+    for name in ("native", "torch", "plain"):
+        eng = Engine.from_pretrained("deploy/models/shell", policy=SpeculationPolicy(mode="off" if name == "plain" else "on",
+                                                                                    num_speculative_tokens=3))
+        if name == "torch":
+            eng.drafter.native = None
+        elif name == "native":
+            chain = eng.drafter.native.chain
+            eng.drafter.native.chain = lambda *a, **kw: (guided.append(a[4] is not None), chain(*a, **kw))[1]
+        outs = eng.generate(prompts, SamplingParams(max_tokens=80, grammar=eng.grammar(GrammarSpec(kind="json_schema", schema=schema))))
+        m = eng.metrics()
+        results[name] = ([o.token_ids for o in outs], [m[k] for k in ("drafted", "accepted", "grammar_drafts", "grammar_masked_drafts")])
+    assert guided and all(guided)
+    assert results["native"][0] == results["torch"][0] == results["plain"][0]
+    assert results["native"][1] == results["torch"][1] and results["native"][1][2] > 0
+
+
 def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path) -> None:
     code = ("import torch; from specialists.ops import native; "
             "assert not native.available(); print(native.why_unavailable())")

@@ -98,10 +98,13 @@ def _load() -> None:
     lib.cantata_blinear.argtypes = [p, i, i, i, p, p, i, p, p, p, p, i]
     lib.cantata_llama_forward.argtypes = [p] * 12
     lib.cantata_mtp_rebuild.argtypes = [p] * 11
-    lib.cantata_mtp_chain.argtypes = [p] * 6 + [i, i, p, p]
+    lib.cantata_mtp_chain.argtypes = [p] * 6 + [i, i, p, p, p, i, p, DEPTH_FN]
     for fn in (lib.cantata_qlinear, lib.cantata_blinear, lib.cantata_llama_forward, lib.cantata_mtp_rebuild, lib.cantata_mtp_chain):
         fn.restype = i
     _state["lib"] = lib
+
+
+DEPTH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # cantata_mtp_chain's per-draft call under a grammar
 
 
 def library():

@@ -635,7 +635,12 @@ static void mtp_finish(mtp_t* m, float* out) {
 }
 
 /* the greedy draft of each row of out [T, d]: argmax of head(unit(out)), mapped through the vocabulary */
-static void mtp_argmax(mtp_t* m, const float* out, int64_t* dst, size_t dstride) {
+/* Each row's greedy draft (full-vocabulary ids, every dstride-th entry of dst). With words (a grammar's
+   bitmask per row over the full vocabulary, W int32 words a row: token i allowed when bit i % 32 of word
+   i / 32 is set) the draft is the best allowed token, and free gets the unmasked one; a row that allows
+   no token of the draft vocabulary drafts the unmasked one (the grammar refuses it on the host). */
+static void mtp_argmax(mtp_t* m, const float* out, int64_t* dst, size_t dstride, const int32_t* words, int W,
+                       int64_t* free_dst) {
     int T = m->z.T, d = m->z.d, N = m->N;
     unit_quant(out, T, d, m->y, m->xq, m->xs);
     qgemm(m->xq, m->xs, T, d, MP(const int8_t, M_HEAD_W), MP(const float, M_HEAD_S), NULL, N, m->logits, N, NULL, m->z.nt);
@@ -644,7 +649,20 @@ static void mtp_argmax(mtp_t* m, const float* out, int64_t* dst, size_t dstride)
         const float* l = m->logits + (size_t)t * N;
         int best = 0;
         for (int i = 1; i < N; i++) if (l[i] > l[best]) best = i;
-        dst[(size_t)t * dstride] = vocab ? vocab[best] : best;
+        int pick = best;
+        if (words) {
+            const int32_t* w = words + (size_t)t * W;
+            int allowed = -1;
+            for (int i = 0; i < N; i++) {
+                int64_t id = vocab ? vocab[i] : i;
+                if ((id >> 5) < W && (((uint32_t)w[id >> 5] >> (id & 31)) & 1u)) {
+                    if (allowed < 0 || l[i] > l[allowed]) allowed = i;
+                }
+            }
+            if (allowed >= 0) pick = allowed;
+            free_dst[(size_t)t * dstride] = vocab ? vocab[best] : best;
+        }
+        dst[(size_t)t * dstride] = vocab ? vocab[pick] : pick;
     }
 }
 
@@ -706,8 +724,13 @@ int cantata_mtp_rebuild(const int32_t* ints, const float* floats, const float* h
  * committed [B] (its C_b entries in the pool through its table), K drafts each -> drafts [B, K]. The
  * chained entry of depth j >= 2 (index C_b + j - 2, rope position C_b + j - 1) lives in a dense tail;
  * rope: the signed table [P, 2, D]. */
+/* The greedy chain. Under a grammar (depth != NULL): before each draft j the host's depth(j) reads the
+   drafts so far and writes draft j's bitmasks into words; a nonzero return stops the chain (-3). */
+typedef int (*depth_fn)(int);
+
 int cantata_mtp_chain(const int32_t* ints, const float* floats, const float* prev, const int64_t* committed,
-                      const int64_t* tables, const float* rope, int P, int K, int64_t* drafts, const int64_t* p) {
+                      const int64_t* tables, const float* rope, int P, int K, int64_t* drafts, const int64_t* p,
+                      const int32_t* words, int words_w, int64_t* free_drafts, depth_fn depth) {
     mtp_t mm, *m = &mm;
     if (mtp_alloc(m, ints, floats, p)) { mtp_free(m); return -1; }
     int B = m->z.T, d = m->z.d, D = m->z.D, W = (m->z.Hq + 2 * m->z.Hkv) * D;
@@ -728,8 +751,9 @@ int cantata_mtp_chain(const int32_t* ints, const float* floats, const float* pre
     }
     if (!rc) {
         memcpy(cur, prev, sizeof(float) * (size_t)B * d);
-        mtp_argmax(m, cur, drafts, (size_t)K);
-        for (int j = 2; j <= K; j++) {
+        if (depth && depth(0)) rc = -3;
+        else mtp_argmax(m, cur, drafts, (size_t)K, depth ? words : NULL, words_w, free_drafts);
+        for (int j = 2; j <= K && !rc; j++) {
             for (int b = 0; b < B; b++) {
                 tok[b] = drafts[(size_t)b * K + j - 2];
                 memcpy(cs + (size_t)b * 2 * D, rope + (size_t)(committed[b] + j - 1) * 2 * D, sizeof(float) * 2 * (size_t)D);
@@ -745,7 +769,8 @@ int cantata_mtp_chain(const int32_t* ints, const float* floats, const float* pre
                             j - 1, K, m->att, maxctx);
             mtp_finish(m, nxt);
             float* sw = cur; cur = nxt; nxt = sw;
-            mtp_argmax(m, cur, drafts + j - 1, (size_t)K);
+            if (depth && depth(j - 1)) { rc = -3; break; }
+            mtp_argmax(m, cur, drafts + j - 1, (size_t)K, depth ? words : NULL, words_w, depth ? free_drafts + j - 1 : NULL);
         }
     }
     free(cur); free(nxt); free(tk); free(tv); free(cs); free(rowseq); free(tok);
