@@ -38,7 +38,7 @@ from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 from specialists.options import EngineConfig, EngineOptions
-from specialists.outputs import RequestError, RequestOutput, merge_status
+from specialists.outputs import RequestError, RequestOutput, merge_status, prompt_ids
 from specialists import detok, quantize
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
@@ -176,7 +176,7 @@ class Engine:
                 **(self.snapshots.stats() if self.snapshots is not None else {})}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else prompt_ids(prompt, self.speculator.vocab_size)
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.cfg.max_model_len:

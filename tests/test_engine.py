@@ -203,6 +203,24 @@ def test_preemption_by_recompute(domain: str, prefix_cache: bool, engines) -> No
         assert g.finish_reason == "length" and len(g.token_ids) == 48
 
 
+def test_prompt_ids_that_are_not_the_models_are_refused_alone(engines) -> None:
+    """A prompt of token ids is a list of ints in the vocabulary: anything else (a tokenizer's output
+    object, an id past the embedding) is the request's RequestError, and the engine goes on serving."""
+    from specialists.outputs import RequestError
+
+    eng = engines.get("build")
+    ok = prompt_ids("build", eng.tokenizer, 1, 32)[0]
+    with pytest.raises(RequestError, match="list of token ids, not BatchEncoding"):
+        eng.add_request(eng.tokenizer("make all"), greedy(4))
+    with pytest.raises(RequestError, match="outside this model's vocabulary"):
+        eng.add_request(ok[:-1] + [eng.speculator.vocab_size], greedy(4))
+    with pytest.raises(RequestError, match="outside"):
+        eng.add_request([-1], greedy(4))
+    assert eng.abort(eng.add_request(torch.tensor(ok), greedy(1)))  # an integer tensor's items are ids too
+    out = eng.generate([ok], greedy(4))[0]
+    assert out.finished and len(out.token_ids) == 4
+
+
 # ---- finishing ------------------------------------------------------------------------------------
 
 
