@@ -87,7 +87,8 @@ class NativeDrafter:
         tab = native.int64(tables)
         p = prev.float().contiguous()
         ints = self._ints(B, tab.shape[1])
-        words = free = depth = None
+        words = free = None
+        depth = native.DEPTH_FN()  # a null pointer: no grammar
         errors: list[BaseException] = []
         if guide is not None:
             words = torch.full((B, guide.words), -1, dtype=torch.int32)
@@ -110,7 +111,7 @@ class NativeDrafter:
             ints.data_ptr(), self.floats.data_ptr(), p.data_ptr(), c.data_ptr(), tab.data_ptr(),
             rope.data_ptr(), rope.shape[0], k, drafts.data_ptr(), self.table.data_ptr(),
             None if words is None else words.data_ptr(), 0 if words is None else words.shape[1],
-            None if free is None else free.data_ptr(), depth if depth is not None else native.DEPTH_FN())
+            None if free is None else free.data_ptr(), depth)
         if errors:
             raise errors[0]
         if rc:

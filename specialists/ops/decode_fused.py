@@ -157,7 +157,7 @@ _PDL: dict[torch.device, bool] = {}
 # launches as soon as every program of the kernel before it runs (that kernel lets it: a product
 # launched early, or the attention before an early o product), asks L2 for its whole weight slice,
 # then waits for that kernel (complete, its writes visible). smollm2-135m's products (0.7-3.5 MB)
-# stream while the kernel before finishes: 0.92-0.97 ms a token against 1.07-1.21 without (H100,
+# stream while the kernel before finishes: 0.92-1.03 ms a token against 1.07-1.24 without (H100,
 # 2026-11-26 session 11). Larger products keep the plain launch: with it llama-1b was 3-6% slower,
 # with or without the prefetch (a 67 MB gate/up's prefetches evict each other).
 PDL_BYTES = int(float(os.environ.get("CANTATA_PDL_MB", "4")) * (1 << 20))

@@ -80,6 +80,9 @@ def _build() -> Path:
     return out
 
 
+DEPTH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # cantata_mtp_chain's per-draft call under a grammar
+
+
 def _load() -> None:
     if os.environ.get("CANTATA_NATIVE", "1") == "0":
         _state["why"] = "CANTATA_NATIVE=0"
@@ -102,9 +105,6 @@ def _load() -> None:
     for fn in (lib.cantata_qlinear, lib.cantata_blinear, lib.cantata_llama_forward, lib.cantata_mtp_rebuild, lib.cantata_mtp_chain):
         fn.restype = i
     _state["lib"] = lib
-
-
-DEPTH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # cantata_mtp_chain's per-draft call under a grammar
 
 
 def library():

@@ -634,11 +634,11 @@ static void mtp_finish(mtp_t* m, float* out) {
     qgemm(m->xq, m->xs, T, z->I, MP(const int8_t, M_DN_W), MP(const float, M_DN_S), NULL, d, out, d, out, z->nt);
 }
 
-/* the greedy draft of each row of out [T, d]: argmax of head(unit(out)), mapped through the vocabulary */
-/* Each row's greedy draft (full-vocabulary ids, every dstride-th entry of dst). With words (a grammar's
-   bitmask per row over the full vocabulary, W int32 words a row: token i allowed when bit i % 32 of word
-   i / 32 is set) the draft is the best allowed token, and free gets the unmasked one; a row that allows
-   no token of the draft vocabulary drafts the unmasked one (the grammar refuses it on the host). */
+/* Each row's greedy draft, argmax of head(unit(out)) mapped through the vocabulary (full-vocabulary
+   ids, every dstride-th entry of dst). With words (a grammar's bitmask per row over the full
+   vocabulary, W int32 words a row: token i allowed when bit i % 32 of word i / 32 is set) the draft is
+   the best allowed token, and free gets the unmasked one; a row that allows no token of the draft
+   vocabulary drafts the unmasked one (the grammar refuses it on the host). */
 static void mtp_argmax(mtp_t* m, const float* out, int64_t* dst, size_t dstride, const int32_t* words, int W,
                        int64_t* free_dst) {
     int T = m->z.T, d = m->z.d, N = m->N;
