@@ -20,8 +20,10 @@ valid rate, finish reasons, tokens, masked drafts and mask time, the checkpoint,
 `--speed` measures what the grammar costs speculation instead, at batch 1 (one request at a time,
 greedy, until the end of turn or --max-tokens): the same prompts with the grammar and without it, each
 through the engine with its drafter (policy on, the checkpoint's K unless --spec-k) and without
-speculation, timed in one run: speedup_free and speedup_grammar (speculative over plain tok/s),
-their ratio, identical outputs, acceptance, and the grammar's mask time per step.
+speculation, timed in one run, interleaved request by request (--repeat R rounds): speedup_free and
+speedup_grammar (speculative over plain tok/s), their ratio (also per round), identical outputs,
+acceptance, the grammar's mask time per step, and each way's ms per step with the step's draft,
+verify and commit parts.
 """
 
 from __future__ import annotations
@@ -134,8 +136,18 @@ def evaluate(model_dir: str, rows: list[dict], mode: str, grammar: bool, max_tok
     }
 
 
-def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, device: str = "cpu") -> dict[str, Any]:
-    """Speculation's speed-up with the grammar and without it, batch 1, on the same prompts."""
+COUNTS = ("steps", "drafted", "accepted", "grammar_steps", "grammar_mask_s", "grammar_masked_drafts", "grammar_drafts",
+          "draft_s", "verify_s", "commit_s")
+
+
+def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, device: str = "cpu",
+          repeat: int = 1) -> dict[str, Any]:
+    """Speculation's speed-up with the grammar and without it, batch 1, on the same prompts.
+
+    Interleaved: each request runs in its four ways (speculative and plain, with the grammar and
+    without) one after the other, in an order that rotates from request to request and round to
+    round, so that a drift of the machine's speed (a GPU's host-bound toys swung the ratio by up to
+    0.42 between two runs timed phase after phase) hits the four alike."""
     from policies.policy import SpeculationPolicy
 
     engines = {"spec": Engine.from_pretrained(model_dir, device=device, policy=SpeculationPolicy(mode="on", num_speculative_tokens=k)),
@@ -143,42 +155,70 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
     for eng in engines.values():
         eng.warmup()
     _, prompts, specs = prepare(requests_of(rows, mode), mode)
-    out: dict[str, Any] = {}
-    tokens: dict[str, list[list[int]]] = {}
-    for grammar in (False, True):
-        for name, eng in engines.items():
-            eng.generate([prompts[0]], SamplingParams(max_tokens=8, grammar=eng.grammar(specs[0]) if grammar else None))  # warm
-            before = eng.metrics()
-            ids, t = [], 0.0
-            for prompt, spec in zip(prompts, specs):
+    ways = [(name, grammar) for grammar in (False, True) for name in engines]
+    tag = lambda name, grammar: f"{name}_{'grammar' if grammar else 'free'}"  # noqa: E731
+    for name, grammar in ways:  # each way's first call (a grammar's first compile, a new shape) before timing
+        eng = engines[name]
+        eng.generate([prompts[0]], SamplingParams(max_tokens=8, grammar=eng.grammar(specs[0]) if grammar else None))
+    secs = {tag(*w): [0.0] * repeat for w in ways}
+    sums = {tag(*w): dict.fromkeys(COUNTS, 0.0) for w in ways}
+    tokens: dict[str, list[list[int]]] = {tag(*w): [] for w in ways}
+    n_tok = dict.fromkeys(secs, 0)
+    for r in range(repeat):
+        for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+            turn = (i + r) % len(ways)
+            for name, grammar in ways[turn:] + ways[:turn]:
+                eng, key = engines[name], tag(name, grammar)
                 params = SamplingParams(max_tokens=max_tokens, grammar=eng.grammar(spec) if grammar else None)
+                before = eng.metrics()
                 t0 = time.perf_counter()
                 o = eng.generate([prompt], params)[0]
-                t += time.perf_counter() - t0
-                ids.append(o.token_ids)
-            after = eng.metrics()
-            tag = f"{name}_{'grammar' if grammar else 'free'}"
-            tokens[tag] = ids
-            n = sum(len(x) for x in ids)
-            out[f"{tag}_tok_s"] = round(n / t, 2)
-            out[f"{tag}_tokens"] = n
-            if name == "spec":
-                drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
-                out[f"{tag}_acceptance"] = round(accepted / drafted, 4) if drafted else None
-            if grammar:
-                steps = after["grammar_steps"] - before["grammar_steps"]
-                out[f"{tag}_mask_us_per_step"] = round(1e6 * (after["grammar_mask_s"] - before["grammar_mask_s"]) / max(1, steps), 1)
-                if name == "spec":
-                    out["masked_drafts"] = after["grammar_masked_drafts"] - before["grammar_masked_drafts"]
-                    out["grammar_drafts"] = after["grammar_drafts"] - before["grammar_drafts"]
-    free = out["spec_free_tok_s"] / out["plain_free_tok_s"]
-    constrained = out["spec_grammar_tok_s"] / out["plain_grammar_tok_s"]
+                secs[key][r] += time.perf_counter() - t0
+                after = eng.metrics()
+                for c in COUNTS:
+                    sums[key][c] += after[c] - before[c]
+                n_tok[key] += len(o.token_ids)
+                if r == 0:
+                    tokens[key].append(o.token_ids)
+                elif o.token_ids != tokens[key][i]:
+                    raise RuntimeError(f"{key}: request {i} gave other tokens in round {r + 1} than in round 1")
+    out = _figures(secs, sums, n_tok, repeat)
+    ratio = lambda r=None: (_speedup(secs, "grammar", r) / _speedup(secs, "free", r))  # noqa: E731
+    free, constrained = _speedup(secs, "free"), _speedup(secs, "grammar")
     same = lambda a, b: sum(x == y for x, y in zip(tokens[a], tokens[b])) / len(prompts)  # noqa: E731
     return {"bench": "grammar_speed", "mode": mode, "k": k, "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
             "device": device_name(device), "commit": git_commit(), "requests": len(rows), "batch_size": 1,
-            "max_tokens": max_tokens, "speedup_free": round(free, 3), "speedup_grammar": round(constrained, 3),
-            "grammar_over_free": round(constrained / free, 3), "identical_spec_free": same("spec_free", "plain_free"),
+            "max_tokens": max_tokens, "repeat": repeat, "interleaved": True,
+            "speedup_free": round(free, 3), "speedup_grammar": round(constrained, 3),
+            "grammar_over_free": round(constrained / free, 3),
+            "grammar_over_free_by_round": [round(ratio(r), 3) for r in range(repeat)],
+            "identical_spec_free": same("spec_free", "plain_free"),
             "identical_spec_grammar": same("spec_grammar", "plain_grammar"), **out}
+
+
+def _figures(secs: dict[str, list[float]], sums: dict[str, dict[str, float]], n_tok: dict[str, int],
+             repeat: int) -> dict[str, Any]:
+    """Each way's tok/s, tokens per round, ms per step and its parts; acceptance and mask time."""
+    out: dict[str, Any] = {}
+    for key, c in sums.items():
+        steps = max(1.0, c["steps"])
+        out[f"{key}_tok_s"] = round(n_tok[key] / sum(secs[key]), 2)
+        out[f"{key}_tokens"] = n_tok[key] // repeat
+        out[f"{key}_ms_per_step"] = round(1e3 * sum(secs[key]) / steps, 4)  # wall, generate() included
+        out[f"{key}_draft_verify_commit_ms"] = [round(1e3 * c[x] / steps, 4) for x in ("draft_s", "verify_s", "commit_s")]
+        if key.startswith("spec"):
+            out[f"{key}_acceptance"] = round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None
+        if key.endswith("grammar"):
+            out[f"{key}_mask_us_per_step"] = round(1e6 * c["grammar_mask_s"] / max(1.0, c["grammar_steps"]), 1)
+    out["masked_drafts"] = int(sums["spec_grammar"]["grammar_masked_drafts"]) // repeat
+    out["grammar_drafts"] = int(sums["spec_grammar"]["grammar_drafts"]) // repeat
+    return out
+
+
+def _speedup(secs: dict[str, list[float]], kind: str, r: int | None = None) -> float:
+    """Plain over speculative seconds for the same requests (all rounds, or round r)."""
+    pick = (lambda v: sum(v)) if r is None else (lambda v: v[r])  # noqa: E731
+    return pick(secs[f"plain_{kind}"]) / pick(secs[f"spec_{kind}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,12 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path)
     ap.add_argument("--speed", action="store_true", help="speculation's speed-up with the grammar vs without (batch 1)")
     ap.add_argument("--spec-k", type=int, default=3, help="with --speed: drafts per step")
+    ap.add_argument("--repeat", type=int, default=1, help="with --speed: rounds over the requests (each must repeat its tokens)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rows = read_jsonl(args.data, args.limit)
     for model in args.model or DEFAULT_MODELS:
-        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k, args.device) if args.speed
+        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k, args.device, args.repeat) if args.speed
                else evaluate(model, rows, args.mode, args.grammar == "on", args.max_tokens, args.device))
         record(args.results, row)
         print(json.dumps(row), flush=True)

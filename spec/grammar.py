@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from state.transfer import device_ints
@@ -90,6 +91,9 @@ class Guide:
     drafts: int = 0  # drafts proposed under this grammar
     masked_drafts: int = 0  # drafts the mask changed (the drafter's own choice was not allowed)
     mask_s: float = 0.0  # host time filling masks and committing tokens
+    # drafts whose free picks were still on their way to the host when the chain ended (a GPU's forced
+    # depths, specialists/drafter_guided.py): (host tensor [L, 2, Bp], the row, drafts), counted after the sync
+    late: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     _reported: tuple[int, int, float] = (0, 0, 0.0)
 
     def commit(self, tokens: list[int]) -> None:
@@ -103,7 +107,11 @@ class Guide:
         self.mask_s += time.perf_counter() - t0
 
     def take_counts(self) -> tuple[int, int, float]:
-        """(drafts, masked drafts, mask seconds) since the last call: what the engine reports per step."""
+        """(drafts, masked drafts, mask seconds) since the last call: what the engine reports per step
+        (after the step's sync: the late free picks have arrived)."""
+        for picks, i, n in self.late:
+            self.masked_drafts += int((picks[:n, 0, i] != picks[:n, 1, i]).sum())
+        self.late.clear()
         out = (self.drafts - self._reported[0], self.masked_drafts - self._reported[1], self.mask_s - self._reported[2])
         self._reported = (self.drafts, self.masked_drafts, self.mask_s)
         return out
@@ -183,19 +191,19 @@ class StepMasks:
         by _close's rule; the closers the flagged rows use, or None)."""
         R, W = sum(counts), self.bits.shape[-1]
         words = self.buffers.host("words", (R, W + 1))
-        words[:, :W] = -1
-        words[:, W] = 0
+        w, bits = words.numpy(), self.bits.numpy()  # host tensors: numpy's indexing costs no dispatch
+        w[:, :W] = -1
+        w[:, W] = 0
         closers = None
         start = 0
         for b, m in enumerate(counts):
             g = self.rows.get(b)
             if g is not None:
                 n = min(m, self.filled[b])
-                words[start:start + n, :W] = self.bits[self.slot[b], :n]
+                w[start:start + n, :W] = bits[self.slot[b], :n]
                 if g.closers is not None and b in self.left:
                     closers = g.closers
-                    for j in range(n):
-                        words[start + j, W] = int(self.left[b] - j <= g.reserve)
+                    w[start:start + n, W] = self.left[b] - np.arange(n) <= g.reserve
             start += m
         return words, closers
 
@@ -282,6 +290,7 @@ class DraftMasks:
         self.vocab = draft_vocab
         self.device = device
         self._unmasked: list[Any] = []  # per depth: [n] whether the mask changed the draft (tensor or list)
+        self._late: torch.Tensor | None = None  # [L, 2, Bp] the depths after those in _unmasked (note_late)
 
     @property
     def words(self) -> int:
@@ -314,10 +323,11 @@ class DraftMasks:
                     self.masks.fill(b)
         else:
             self._feed(j, last)
-        out.fill_(-1)
+        o, bits = out.numpy(), self.masks.bits.numpy()  # host tensors: numpy's indexing costs no dispatch
+        o.fill(-1)
         for i, b in self.guided:
             if self.counts[i] >= j + 1:
-                out[i] = self.masks.bits[self.masks.slot[b], j]
+                o[i] = bits[self.masks.slot[b], j]
 
     def for_depth(self, j: int, last: torch.Tensor | None) -> torch.Tensor | None:
         """-> allowed [n, N] bool over the drafter's vocabulary for draft j (0-based), None if no row is
@@ -336,6 +346,31 @@ class DraftMasks:
     def note_host(self, chosen: list[int], unmasked: list[int]) -> None:
         """The next depth's drafts as chosen and unmasked, host ids."""
         self._unmasked.append([a != b for a, b in zip(chosen, unmasked)])
+
+    def forced(self, j: int, out: torch.Tensor, allowed: Any = None) -> list[int] | None:
+        """Draft j of every chain row as the host knows it without reading the device, or None: each
+        guided row still drafting has a mask (out [n, W], host, as depth_words wrote it) that allows
+        exactly one token, of the draft vocabulary (allowed: [V] bool, None: all), so that the masked
+        argmax can only be that token. Other rows' drafts are never fed to a matcher: 0 stands in."""
+        words = out.numpy().view(np.uint32)
+        known = [0] * self.n
+        for i, _ in self.guided:
+            if self.counts[i] < j + 1:  # ended: nothing of it is read
+                continue
+            nz = np.flatnonzero(words[i])
+            if nz.size != 1:
+                return None
+            w = int(words[i, nz[0]])
+            tok = int(nz[0]) * 32 + w.bit_length() - 1
+            if w & (w - 1) or (allowed is not None and not allowed[tok]):
+                return None
+            known[i] = tok
+        return known
+
+    def note_late(self, picks: torch.Tensor) -> None:
+        """picks [L, 2, Bp] (host, filled behind the chain: read only after the step's sync): the masked
+        and free picks of the last L depths, those note_host did not get."""
+        self._late = picks
 
     def finish(self, last: torch.Tensor, drafted: int) -> None:
         """finish_host with the last drafts on the device."""
@@ -358,5 +393,7 @@ class DraftMasks:
             self.counts[i] = n
             g.drafts += n
             g.masked_drafts += sum(changed[i][:n])
+            if self._late is not None and n > len(self._unmasked):
+                g.late.append((self._late, i, n - len(self._unmasked)))
             if self.taken[b]:
                 g.matcher.rollback(self.taken[b])

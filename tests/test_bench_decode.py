@@ -1,5 +1,5 @@
 """bench.decode: the result line on the shipped build specialist (a Llama), the results row, and the
-refusal without weights."""
+refusal without weights; and bench.tool_validity --speed's interleaved row."""
 
 from __future__ import annotations
 
@@ -160,3 +160,23 @@ def test_acceptance_bench_takes_chat_rows(tmp_path: Path, capsys) -> None:
     row = json.loads(results.read_text().splitlines()[-1])
     assert row["chat"] is True and row["prompts"] == 1 and row["positions"] > 0
     assert len(row["acceptance_by_depth"]) == 2
+
+
+def test_grammar_speed_interleaves_the_four_ways(tmp_path: Path, capsys) -> None:
+    """bench.tool_validity --speed: every request runs speculative and plain, with the grammar and
+    without, in a rotating order, for --repeat rounds that must repeat their tokens; the row has the
+    ratio per round and each way's step parts, and speculation's outputs equal plain decoding's."""
+    from bench import tool_validity
+
+    results = tmp_path / "speed.jsonl"
+    assert tool_validity.main(["--speed", "--mode", "response_format", "--limit", "3", "--max-tokens", "24",
+                               "--repeat", "2", "--model", str(ROOT / "deploy" / "models" / "shell"),
+                               "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["interleaved"] is True and row["repeat"] == 2 and len(row["grammar_over_free_by_round"]) == 2
+    assert row["identical_spec_free"] == row["identical_spec_grammar"] == 1.0
+    assert row["spec_grammar_tokens"] == row["plain_grammar_tokens"] > 0
+    assert row["grammar_drafts"] > 0 and row["spec_grammar_mask_us_per_step"] > 0
+    for way in ("spec_free", "plain_free", "spec_grammar", "plain_grammar"):
+        draft, verify, commit = row[f"{way}_draft_verify_commit_ms"]
+        assert 0 < draft + verify + commit <= row[f"{way}_ms_per_step"]

@@ -110,12 +110,13 @@ def test_mask_kernels_match_the_torch_ops() -> None:
 
 
 @pytest.mark.slow
-def test_fused_guided_chain_equals_plain() -> None:
+def test_fused_guided_chain_equals_plain(monkeypatch) -> None:
     """The GPU's path, here through Triton's interpreter (slow: one short reply): the drafter's static
     chain a graph per depth with the grammar's masked argmax on the device (specialists/drafter_guided.py),
     the target's masks applied by one kernel in both engines (inside the static verify step for the
     speculative one and a static plain one, outside for an eager plain one); the same tokens as plain decoding, every
     verified draft one the grammar accepts, and the reply closes within its budget."""
+    from specialists import drafter_guided
     from specialists.ops.grammar_mask import apply_bitmask
 
     spec_engine = _engine("shell", static_batches=True, fused_drafter=True, grammar_bounds={})
@@ -135,6 +136,16 @@ def test_fused_guided_chain_equals_plain() -> None:
     assert m["grammar_drafts"] > 0 and m["accepted"] > 0 and m["grammar_masked_drafts"] > 0
     assert outs["spec"].finish_reason == "stop", outs["spec"].text
     jsonschema.validate(json.loads(outs["spec"].text), schema)
+    # depths whose mask allows one token are not read (the host knows the draft); reading every depth
+    # drafts the same, and counts the same drafts and mask-changed drafts
+    assert spec_engine.drafter.guided_unread > 0
+    every = _engine("shell", static_batches=True, fused_drafter=True, grammar_bounds={})
+    every.speculator.mask_kernel = apply_bitmask
+    monkeypatch.setattr(drafter_guided, "SKIP_FORCED", False)
+    out = every.generate(_prompts(1), SamplingParams(max_tokens=24, grammar=every.grammar(gspec)))[0]
+    assert out.token_ids == outs["spec"].token_ids and every.drafter.guided_unread == 0
+    keys = ("drafted", "accepted", "grammar_drafts", "grammar_masked_drafts", "steps")
+    assert {x: every.metrics()[x] for x in keys} == {x: m[x] for x in keys}
 
 
 @pytest.mark.parametrize("domain", ["shell", "cpp"])
