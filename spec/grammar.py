@@ -16,12 +16,11 @@ xgrammar's GrammarMatcher) and whether it constrains now (a tool call's grammar 
   commit   the engine feeds the matcher the tokens it kept (after its trigger cut)
 
 A row that does not draft (a prefill, a plain step) gets mask 0 only. Masks are xgrammar's bitmask
-layout: int32 words [n, ceil(V / 32)], bit b of word w allows token 32 w + b. They are filled on the
-host and reach the device from pinned memory without a sync. A step with a guided row keeps its
-static verify (a CUDA graph on a GPU) but never multi-step decodes or drafts made ahead, and its
-drafter chain is eager, reading each depth's drafts on the host (a device sync per depth on a GPU;
-free on a CPU). Near the end of a reply's budget the allowed closing tokens come first (`_close`).
-"""
+layout: int32 words [n, ceil(V / 32)], bit b of word w allows token 32 w + b, filled on the host,
+sent from pinned memory without a sync. A step with a guided row keeps its static verify (a CUDA
+graph) but never multi-step decodes or drafts made ahead; its chain reads each depth's drafts on the
+host (on a GPU a sync per depth but those whose masks allow one token, specialists/drafter_guided.py).
+Near the end of a reply's budget the allowed closing tokens come first (`_close`)."""
 
 from __future__ import annotations
 
@@ -66,6 +65,12 @@ def apply_masks(logits: torch.Tensor, rows: list[int], bits: torch.Tensor, src: 
     if not rows:
         return
     dev = logits.device
+    if dev.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():  # numpy: ~4 ops, not ~8 dispatches
+        w = bits.numpy() if src is None else bits.numpy()[src]
+        allowed = np.unpackbits(w.view(np.uint8), axis=-1, count=logits.shape[1], bitorder="little").view(bool)
+        lg = logits.numpy()
+        lg[rows] = np.where(allowed, lg[rows], np.float32(-np.inf))
+        return
     words = bits.to(dev, non_blocking=True)
     if src is not None:
         words = words.index_select(0, device_ints(src, dev))
@@ -91,8 +96,7 @@ class Guide:
     drafts: int = 0  # drafts proposed under this grammar
     masked_drafts: int = 0  # drafts the mask changed (the drafter's own choice was not allowed)
     mask_s: float = 0.0  # host time filling masks and committing tokens
-    # drafts whose free picks were still on their way to the host when the chain ended (a GPU's forced
-    # depths, specialists/drafter_guided.py): (host tensor [L, 2, Bp], the row, drafts), counted after the sync
+    # drafts whose free picks reach the host after the chain (a GPU's unread depths): (picks, row, drafts)
     late: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     _reported: tuple[int, int, float] = (0, 0, 0.0)
 
@@ -107,8 +111,7 @@ class Guide:
         self.mask_s += time.perf_counter() - t0
 
     def take_counts(self) -> tuple[int, int, float]:
-        """(drafts, masked drafts, mask seconds) since the last call: what the engine reports per step
-        (after the step's sync: the late free picks have arrived)."""
+        """(drafts, masked drafts, mask seconds) since the last call, after the step's sync (late picks in)."""
         for picks, i, n in self.late:
             self.masked_drafts += int((picks[:n, 0, i] != picks[:n, 1, i]).sum())
         self.late.clear()
@@ -348,10 +351,9 @@ class DraftMasks:
         self._unmasked.append([a != b for a, b in zip(chosen, unmasked)])
 
     def forced(self, j: int, out: torch.Tensor, allowed: Any = None) -> list[int] | None:
-        """Draft j of every chain row as the host knows it without reading the device, or None: each
-        guided row still drafting has a mask (out [n, W], host, as depth_words wrote it) that allows
-        exactly one token, of the draft vocabulary (allowed: [V] bool, None: all), so that the masked
-        argmax can only be that token. Other rows' drafts are never fed to a matcher: 0 stands in."""
+        """Draft j of every chain row known on the host without a read, or None: each guided row still
+        drafting has a mask (out [n, W], from depth_words) allowing one token, of the draft vocabulary
+        (allowed [V] bool, None: all): the masked argmax. Other rows are never fed: 0 stands in."""
         words = out.numpy().view(np.uint32)
         known = [0] * self.n
         for i, _ in self.guided:
@@ -368,8 +370,7 @@ class DraftMasks:
         return known
 
     def note_late(self, picks: torch.Tensor) -> None:
-        """picks [L, 2, Bp] (host, filled behind the chain: read only after the step's sync): the masked
-        and free picks of the last L depths, those note_host did not get."""
+        """picks [L, 2, Bp] (host, read after the step's sync): the last L depths' masked and free picks."""
         self._late = picks
 
     def finish(self, last: torch.Tensor, drafted: int) -> None:

@@ -109,6 +109,22 @@ def test_mask_kernels_match_the_torch_ops() -> None:
     assert all(allowed[i, (vocab == best[i]).nonzero()[0, 0]] for i in range(3))
 
 
+def test_host_mask_path_matches_the_torch_ops() -> None:
+    """apply_masks on float32 CPU logits (numpy: unpacked bits, one where) masks exactly what the torch
+    ops do (the path of other dtypes and devices), rows and sources in any order, repeats included."""
+    g = torch.Generator().manual_seed(1)
+    V = 3001
+    bits = torch.randint(-2**31, 2**31 - 1, (6, bitmask_words(V)), dtype=torch.int32, generator=g)
+    with torch.inference_mode():
+        logits = torch.randn(9, V, generator=g)
+        fast, ops = logits.clone(), logits.clone().double()
+        apply_masks(fast, [0, 3, 4, 8], bits, [5, 1, 1, 0])
+        apply_masks(ops, [0, 3, 4, 8], bits, [5, 1, 1, 0])
+    assert torch.equal(fast, ops.float())
+    assert torch.equal(fast[[1, 2, 5, 6, 7]], logits[[1, 2, 5, 6, 7]])  # other rows untouched
+    assert torch.isinf(fast[3]).sum() == V - unpack_bitmask(bits[1:2], V).sum()
+
+
 @pytest.mark.slow
 def test_fused_guided_chain_equals_plain(monkeypatch) -> None:
     """The GPU's path, here through Triton's interpreter (slow: one short reply): the drafter's static
