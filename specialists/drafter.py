@@ -33,7 +33,7 @@ from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch
 from specialists.models.mtp import MTPDrafter
 from specialists.models.rope import apply_signed_rope
-from specialists.ops.attention import grouped_attention, paged_attention, workspace, write_kv
+from specialists.ops.attention import grouped_attention, paged_attention, sdpa, workspace, write_kv
 from specialists.ops.linear import proposal_linear
 from spec.grammar import DraftMasks
 from state.transfer import device_ints
@@ -351,7 +351,7 @@ class PagedDrafter:
             if bias is not None:
                 o = grouped_attention(q[:, None], keys[:, :n], values[:, :n], bias[..., :n], self.scale)[:, 0]
             else:
-                o = F.scaled_dot_product_attention(
+                o = sdpa(
                     q[:, :, None, :],  # [B, H, 1, hd]
                     keys[:, :n].transpose(1, 2), values[:, :n].transpose(1, 2),
                     attn_mask=None if mask is None else mask[..., :n], scale=self.scale, enable_gqa=groups > 1,

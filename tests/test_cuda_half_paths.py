@@ -56,3 +56,30 @@ def test_speculative_equals_plain_in_bf16(checkpoint: Path) -> None:
     prompts = [list(range(11, 11 + n)) for n in (5, 33, 70)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_prefill_attention_plans_nothing_per_length(checkpoint: Path) -> None:
+    """The torch attention path (prefills) never takes cuDNN's SDPA backend, which builds a plan on the
+    host for each new shape (~1.7 ms a layer: every prompt length is new); its results equal the
+    math backend's to bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from specialists.ops.attention import sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 9, n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for n in (37, 53, 53))
+    k, v = k[:, :3], v[:, :3]
+    mask = torch.ones(37, 53, dtype=torch.bool, device="cuda").tril(53 - 37)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.cuda.synchronize()
+    assert not [e.name for e in prof.events() if "cudnn" in e.name.lower()]
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                                enable_gqa=True)
+    assert (out.float() - want).abs().max() < 3e-2
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16, policy=SpeculationPolicy(mode="off"))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate([list(range(5, 5 + 77))], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert not [e.name for e in prof.events() if "cudnn" in e.name.lower()]

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from specialists.ops.attention import sdpa
 
 MTP_WEIGHTS = "mtp.safetensors"
 MTP_CONFIG = "mtp_config.json"
@@ -117,7 +118,7 @@ class DraftBlock(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attn = sdpa(q, k, v, attn_mask=mask)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specialists.models.batch import ForwardBatch
 
-__all__ = ["write_kv", "paged_attention", "paged_attention_torch", "grouped_attention", "workspace"]
+__all__ = ["write_kv", "paged_attention", "paged_attention_torch", "grouped_attention", "workspace", "sdpa"]
 
 
 def write_kv(
@@ -35,6 +36,25 @@ def write_kv(
     nb, bs, h, d = k_cache_layer.shape
     k_cache_layer.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache_layer.dtype))
     v_cache_layer.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache_layer.dtype))
+
+
+# cuDNN's SDPA backend builds an execution plan on the host for every new shape: ~1.7 ms a call on an
+# H100's host, so a 30-layer prefill of a new prompt length took ~60 ms at SmolLM2-135M (2026-11-26),
+# and every prompt's length is new. The memory-efficient kernel plans nothing, takes a mask, and needs
+# the KV heads repeated for grouped queries; without it (a shape it refuses) the math backend serves.
+_NO_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False, **kw: Any) -> torch.Tensor:
+    """F.scaled_dot_product_attention (q [B, H, T, D], k / v [B, H_kv, S, D]); on CUDA without the
+    cuDNN backend (see _NO_CUDNN), grouped KV heads repeated for the memory-efficient kernel."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kw)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    with sdpa_kernel(_NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 def paged_attention_torch(
@@ -80,7 +100,7 @@ def paged_attention_torch(
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
 
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         qp.transpose(1, 2),  # [B, H_q, max_q, D]
         k.transpose(1, 2),  # [B, H_kv, max_ctx, D]
         v.transpose(1, 2),
@@ -108,7 +128,7 @@ def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: F
         seq = batch.token_seq.tolist() if batch.num_seqs > 1 else [0] * len(pos)
         masks = {n: torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device) for n in {p + 1 for p in pos}}
         cache[key] = [(r, b, p + 1, masks[p + 1]) for r, (p, b) in enumerate(zip(pos, seq))]
-    outs = [F.scaled_dot_product_attention(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
+    outs = [sdpa(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
                                            v[b:b + 1, :n].transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=gqa)[:, :, 0] for r, b, n, mask in cache[key]]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
