@@ -364,7 +364,7 @@ class DraftMasks:
                 return None
             w = int(words[i, nz[0]])
             tok = int(nz[0]) * 32 + w.bit_length() - 1
-            if w & (w - 1) or (allowed is not None and not allowed[tok]):
+            if w & (w - 1) or tok >= self.masks.vocab_size or (allowed is not None and not allowed[tok]):
                 return None
             known[i] = tok
         return known

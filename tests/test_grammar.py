@@ -125,6 +125,33 @@ def test_host_mask_path_matches_the_torch_ops() -> None:
     assert torch.isinf(fast[3]).sum() == V - unpack_bitmask(bits[1:2], V).sum()
 
 
+def test_a_forced_draft_is_one_allowed_token_of_the_draft_vocabulary() -> None:
+    """DraftMasks.forced: the host knows draft j only when every guided row still drafting allows
+    exactly one token there, inside the vocabulary and the draft vocabulary; rows not guided or ended
+    do not count."""
+    from types import SimpleNamespace
+
+    from spec.grammar import DraftMasks
+
+    V = 100
+    guide = DraftMasks(SimpleNamespace(rows={0: None, 2: None}, vocab_size=V), [0, 1, 2], 3, None, torch.device("cpu"))
+    words = torch.zeros(3, bitmask_words(V), dtype=torch.int32)
+    words[0, 1] = 1 << 5  # row 0: token 37 only
+    words[1] = -1  # row 1 is not guided: its mask allows all
+    words[2, 0] = -(1 << 31)  # row 2: token 31 only (the sign bit)
+    assert guide.forced(0, words) == [37, 0, 31]
+    allowed = torch.ones(V, dtype=torch.bool).numpy()
+    allowed[31] = False
+    assert guide.forced(0, words, allowed) is None  # 31 is outside the draft vocabulary
+    words[2, 0] |= 1  # row 2 now has a choice
+    assert guide.forced(0, words) is None
+    guide.counts[2] = 0  # row 2 ended before depth 1: only row 0 counts there
+    assert guide.forced(1, words) == [37, 0, 0]
+    words[0, 1] = 0
+    words[0, 3] = 1 << 10  # token 106: past the vocabulary (a padding bit)
+    assert guide.forced(1, words) is None
+
+
 @pytest.mark.slow
 def test_fused_guided_chain_equals_plain(monkeypatch) -> None:
     """The GPU's path, here through Triton's interpreter (slow: one short reply): the drafter's static
