@@ -60,8 +60,8 @@ def test_speculative_equals_plain_in_bf16(checkpoint: Path) -> None:
 
 def test_prefill_attention_plans_nothing_per_length(checkpoint: Path) -> None:
     """The torch attention path (prefills) never takes cuDNN's SDPA backend, which builds a plan on the
-    host for each new shape (~1.7 ms a layer: every prompt length is new); its results equal the
-    math backend's to bf16 rounding."""
+    host for each new shape (~1.7 ms a layer: every prompt length is new); its results, with a bool
+    mask or a one-sequence prefill's lower-right causal bias, equal the math backend's to bf16 rounding."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
@@ -79,6 +79,10 @@ def test_prefill_attention_plans_nothing_per_length(checkpoint: Path) -> None:
         want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                                 enable_gqa=True)
     assert (out.float() - want).abs().max() < 3e-2
+    from torch.nn.attention.bias import causal_lower_right  # what a one-sequence prefill passes
+
+    lower_right = sdpa(q, k, v, attn_mask=causal_lower_right(37, 53), enable_gqa=True)
+    assert (lower_right.float() - want).abs().max() < 3e-2
     engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16, policy=SpeculationPolicy(mode="off"))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.generate([list(range(5, 5 + 77))], SamplingParams(max_tokens=2, ignore_eos=True))

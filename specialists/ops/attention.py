@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from specialists.models.batch import ForwardBatch
 
@@ -100,6 +101,8 @@ def paged_attention_torch(
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
 
+    if q.is_cuda and B == 1 and max_q > 1:  # one sequence's new tokens end its context: causal, lower right
+        mask = causal_lower_right(max_q, max_ctx)  # flash attention takes it; a tensor mask it refuses
     out = sdpa(
         qp.transpose(1, 2),  # [B, H_q, max_q, D]
         k.transpose(1, 2),  # [B, H_kv, max_ctx, D]
