@@ -232,6 +232,8 @@ class SpeculationGate:
         del self._slow[b]
         self._reprobe[b] = entry[1]
         self._spec_spt.pop(b, None)
+        for key in [key for key in self._k_spt if key[0] == b]:  # each K measured afresh too
+            del self._k_spt[key]
         return False
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -316,10 +318,15 @@ class SpeculationGate:
             return self._speedup(_bucket(batch))
 
     def _speedup(self, b: int) -> float | None:  # under the lock
+        """With k_choices, of the K that k_for runs (the fastest measured): every K's probe steps
+        mixed judged a bucket slow where one K was twice as fast as plain."""
         plain, spec = self._plain_spt.get(b), self._spec_spt.get(b)
         if plain is None or spec is None or not plain.median or not spec.value:
             return None
-        return plain.median / spec.value
+        p = self._policy
+        best = [v for (bk, _), s in self._k_spt.items() if bk == b and s.count >= p.auto.probe_steps and (v := s.value)]
+        several = len({p.num_speculative_tokens, *p.auto.k_choices}) > 1  # one K: its long-window figure
+        return plain.median / (min(best) if several and best else spec.value)
 
     @property
     def reason(self) -> Reason:

@@ -360,31 +360,3 @@ def test_time_gate_compares_like_batch_sizes() -> None:
     assert gate.snapshot()["reason"] == "baseline"
     with pytest.raises(GateInputError):
         gate.observe_time("on", 1, -1.0, 1)
-
-
-def test_auto_picks_k_per_batch_bucket_by_measured_time() -> None:
-    """auto.k_choices: each K is tried probe_steps steps per bucket, then the fastest is used, the
-    others probed now and then; buckets are judged apart (batch 1 prefers K=3, batch 8 K=1 here)."""
-    gate = SpeculationGate(auto_policy(min_acceptance=0.0, min_speedup=0.0, k_choices=(1, 5), probe_steps=2,
-                                       probe_every=10), Clock())
-    cost = {(1, 1): 0.30, (1, 3): 0.20, (1, 5): 0.25, (8, 1): 0.10, (8, 3): 0.20, (8, 5): 0.40}  # s per token
-
-    def run(batch: int, steps: int) -> list[int]:
-        picked = []
-        for _ in range(steps):
-            assert gate.decide(batch) == "on"
-            k = gate.k_for(batch)
-            picked.append(k)
-            gate.observe_time("on", batch, cost[(batch, k)] * (k + 1), k + 1, k)
-        return picked
-
-    assert run(1, 6) == [1, 1, 3, 3, 5, 5]  # every K of the bucket measured first, in order
-    later = run(1, 30)
-    assert later.count(3) >= 27 and set(later) <= {1, 3, 5}  # the fastest, with a probe every 10 steps
-    assert run(8, 6) == [1, 1, 3, 3, 5, 5] and run(8, 10).count(1) >= 9  # a new bucket: measured on its own
-    snap = gate.snapshot()["seconds_per_token_by_k"]
-    assert snap["1:3"] == pytest.approx(0.2) and snap["8:1"] == pytest.approx(0.1)
-    plain = SpeculationGate(auto_policy(), Clock())
-    assert plain.k_for(1) == 3  # without k_choices: num_speculative_tokens
-    with pytest.raises(ValueError, match="k_choices"):
-        auto_policy(k_choices=(0, 3))
