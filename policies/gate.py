@@ -133,6 +133,11 @@ SETTLE_STEPS = 3
 HELD_EVERY = 8  # a held slow verdict: one plain step in 8 timed (~8 us of bookkeeping a step, ~1% at CPU b8)
 
 
+def _k_options(policy: SpeculationPolicy) -> tuple[int, ...]:
+    """The K values auto may run, ascending: num_speculative_tokens and auto.k_choices."""
+    return tuple(sorted({policy.num_speculative_tokens, *policy.auto.k_choices}))
+
+
 def _bucket(batch: int) -> int:
     """1, 2, 4, 8, ...: steps of similar batch sizes are compared with each other."""
     return 1 << max(0, batch - 1).bit_length()
@@ -258,7 +263,7 @@ class SpeculationGate:
         probe_every steps one step tries the next K in turn, so a change of load is noticed)."""
         with self._lock:
             p = self._policy
-            choices = tuple(sorted({p.num_speculative_tokens, *p.auto.k_choices}))
+            choices = _k_options(p)
             if p.mode != "auto" or len(choices) == 1:
                 return p.num_speculative_tokens
             b = _bucket(batch)
@@ -325,7 +330,7 @@ class SpeculationGate:
             return None
         p = self._policy
         best = [v for (bk, _), s in self._k_spt.items() if bk == b and s.count >= p.auto.probe_steps and (v := s.value)]
-        several = len({p.num_speculative_tokens, *p.auto.k_choices}) > 1  # one K: its long-window figure
+        several = len(_k_options(p)) > 1  # one K: its long-window figure
         return plain.median / (min(best) if several and best else spec.value)
 
     @property

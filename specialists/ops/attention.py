@@ -101,8 +101,9 @@ def paged_attention_torch(
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
 
-    if q.is_cuda and B == 1 and max_q > 1:  # one sequence's new tokens end its context: causal, lower right
+    if q.is_cuda and B == 1 and max_q > 1 and batch.is_prefill[0]:  # a prefill's new tokens end its context
         mask = causal_lower_right(max_q, max_ctx)  # flash attention takes it; a tensor mask it refuses
+        # (a verify keeps the tensor mask, the path a decode of the same sequence takes)
     out = sdpa(
         qp.transpose(1, 2),  # [B, H_q, max_q, D]
         k.transpose(1, 2),  # [B, H_kv, max_ctx, D]
@@ -131,7 +132,7 @@ def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: F
         seq = batch.token_seq.tolist() if batch.num_seqs > 1 else [0] * len(pos)
         masks = {n: torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device) for n in {p + 1 for p in pos}}
         cache[key] = [(r, b, p + 1, masks[p + 1]) for r, (p, b) in enumerate(zip(pos, seq))]
-    outs = [sdpa(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
+    outs = [F.scaled_dot_product_attention(q[r:r + 1, None].transpose(1, 2), k[b:b + 1, :n].transpose(1, 2),
                                            v[b:b + 1, :n].transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=gqa)[:, :, 0] for r, b, n, mask in cache[key]]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
