@@ -16,15 +16,14 @@ xgrammar's GrammarMatcher) and whether it constrains now (a tool call's grammar 
   commit   the engine feeds the matcher the tokens it kept (after its trigger cut)
 
 A row that does not draft (a prefill, a plain step) gets mask 0 only. Masks are xgrammar's bitmask
-layout: int32 words [n, ceil(V / 32)], bit b of word w allows token 32 w + b, filled on the host,
-sent from pinned memory without a sync. A step with a guided row keeps its static verify (a CUDA
-graph) but never multi-step decodes or drafts made ahead; its chain reads each depth's drafts on the
-host (on a GPU a sync per depth but those whose masks allow one token, specialists/drafter_guided.py).
-Near the end of a reply's budget the allowed closing tokens come first (`_close`)."""
+layout (int32 words [n, ceil(V / 32)], bit b of word w allows token 32 w + b), filled on the host,
+sent from pinned memory without a sync. A step with a guided row keeps its static verify (a CUDA graph)
+but never multi-step decodes or drafts made ahead; its chain reads each depth's drafts on the host (on
+a GPU a sync per depth but those whose masks allow one token, specialists/drafter_guided.py). Near the
+end of a reply's budget the allowed closing tokens come first (`_close`)."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,10 +31,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from spec.mask_buffers import CLOSE_BONUS, MaskBuffers, host_words  # noqa: F401 - re-exported
 from state.transfer import device_ints
-
-
-CLOSE_BONUS = 1.0e4  # added to the closing tokens' logits near the budget's end (above any real logit gap)
 
 
 class GrammarViolation(RuntimeError):
@@ -52,10 +49,8 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
 
 
-def host_words(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An all-allowed bitmask buffer on the host; pinned when the masks go to a GPU, so that their copy
-    is queued instead of waiting for the stream (state/transfer.py)."""
-    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+def _np(t: Any) -> np.ndarray:  # a host tensor's numpy view (numpy arrays as they are: no torch dispatch)
+    return t if isinstance(t, np.ndarray) else t.numpy()
 
 
 @torch.inference_mode()
@@ -87,10 +82,9 @@ class Guide:
     matcher: Any  # fill_next_token_bitmask(bits, index), accept_token(id) -> bool, rollback(n), is_terminated()
     active: bool
     activate_on_tool_open: bool = False
-    # closing within the budget: at a position with at most `reserve` tokens left before max_tokens, the
-    # allowed tokens that close something come first (`closers`: [V] float, a token's preference: 2 for
-    # `"`-led tokens of `"]}`, 1 for `]` / `}`, 0 otherwise, times CLOSE_BONUS), so that a model still
-    # inside a string or an array closes its JSON before the reply is cut
+    # closing within the budget: with at most `reserve` tokens left before max_tokens, the allowed tokens
+    # that close something come first (`closers` [V]: 2 for `"`-led tokens of `"]}`, 1 for `]` / `}`, 0
+    # otherwise, times CLOSE_BONUS): a model inside a string or array closes its JSON before the cut
     closers: torch.Tensor | None = None
     reserve: int = 0
     drafts: int = 0  # drafts proposed under this grammar
@@ -112,8 +106,9 @@ class Guide:
 
     def take_counts(self) -> tuple[int, int, float]:
         """(drafts, masked drafts, mask seconds) since the last call, after the step's sync (late picks in)."""
-        for picks, i, n in self.late:
-            self.masked_drafts += int((picks[:n, 0, i] != picks[:n, 1, i]).sum())
+        for picks, i, n in self.late:  # a host tensor: numpy, no torch dispatch
+            p = picks.numpy()
+            self.masked_drafts += int(np.count_nonzero(p[:n, 0, i] != p[:n, 1, i]))
         self.late.clear()
         out = (self.drafts - self._reported[0], self.masked_drafts - self._reported[1], self.mask_s - self._reported[2])
         self._reported = (self.drafts, self.masked_drafts, self.mask_s)
@@ -144,6 +139,7 @@ class StepMasks:
     kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     buffers: "MaskBuffers | None" = None  # host / device buffers reused across steps (None: this step's own)
     bits: torch.Tensor = field(init=False)  # [len(rows), kmax + 1, W] int32, host
+    _rows: list[torch.Tensor] = field(init=False)  # bits[i] per slot (a view made once, not per fill)
     slot: dict[int, int] = field(init=False)  # batch row -> index into bits
     filled: dict[int, int] = field(init=False)  # batch row -> positions filled (1 + drafts it may verify)
     mask_s: float = 0.0
@@ -153,6 +149,7 @@ class StepMasks:
             self.buffers = MaskBuffers(self.device)
         # positions are read only once filled, so a reused buffer needs no reset
         self.bits = self.buffers.host("bits", (len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)))
+        self._rows = list(self.bits)
         self.slot = {b: i for i, b in enumerate(self.rows)}
         self.filled = {b: 0 for b in self.rows}
 
@@ -160,7 +157,7 @@ class StepMasks:
         """The mask of row b's next position, from its matcher's current state."""
         t0 = time.perf_counter()
         j = self.filled[b]
-        self.rows[b].matcher.fill_next_token_bitmask(self.bits[self.slot[b]], j)
+        self.rows[b].matcher.fill_next_token_bitmask(self._rows[self.slot[b]], j)
         self.filled[b] = j + 1
         self.mask_s += time.perf_counter() - t0
 
@@ -188,12 +185,12 @@ class StepMasks:
         apply_masks(logits, rows, self.bits.view(-1, self.bits.shape[-1]), src)
         self._close(logits, counts)
 
-    def words(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def words(self, counts: list[int], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's mask words per logits row (counts as for apply) -> (host [R, W + 1] int32: the row's
-        mask, all allowed for rows not guided and positions past the filled ones, then its close flag
-        by _close's rule; the closers the flagged rows use, or None)."""
+        mask, all allowed for rows not guided, positions past the filled ones and `out`'s rows past R,
+        then its close flag by _close's rule; the closers the flagged rows use, or None)."""
         R, W = sum(counts), self.bits.shape[-1]
-        words = self.buffers.host("words", (R, W + 1))
+        words = self.buffers.host("words", (R, W + 1)) if out is None else out
         w, bits = words.numpy(), self.bits.numpy()  # host tensors: numpy's indexing costs no dispatch
         w[:, :W] = -1
         w[:, W] = 0
@@ -235,45 +232,6 @@ class StepMasks:
         idx = device_ints(rows, logits.device)
         with torch.inference_mode():
             logits.index_copy_(0, idx, logits.index_select(0, idx) + bonus[: logits.shape[1]])
-
-
-class MaskBuffers:
-    """Host buffers (pinned for a GPU) and device buffers that every step's masks reuse, grown as
-    needed: a step's copies out of them have run by the step's one sync, before the next step writes
-    them. And the device copies of the closing preferences (one per grammar compiler)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self._host: dict[str, torch.Tensor] = {}
-        self._dev: dict[str, torch.Tensor] = {}
-        self._bonus: dict[int, tuple[Any, torch.Tensor]] = {}
-
-    def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        n = math.prod(shape)
-        buf = self._host.get(name)
-        if buf is None or buf.numel() < n:
-            buf = self._host[name] = host_words((max(n, 2 * (0 if buf is None else buf.numel())),), self.device)
-        return buf[:n].view(shape)
-
-    def device_copy(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        """src (a host buffer of this object) on the device, queued (no sync on a GPU)."""
-        if self.device.type != "cuda":
-            return src
-        buf = self._dev.get(name)
-        if buf is None or buf.numel() < src.numel():
-            buf = self._dev[name] = torch.empty(max(src.numel(), 2 * (0 if buf is None else buf.numel())),
-                                                dtype=src.dtype, device=self.device)
-        out = buf[:src.numel()].view(src.shape)
-        out.copy_(src, non_blocking=True)
-        return out
-
-    def bonus(self, closers: torch.Tensor | None) -> torch.Tensor:
-        """CLOSE_BONUS * closers on the device (a placeholder the kernel never reads when no row closes)."""
-        hit = self._bonus.get(id(closers))
-        if hit is None:  # the closers object is kept, so its id is not reused
-            bonus = torch.zeros(1, device=self.device) if closers is None else (closers.float() * CLOSE_BONUS).to(self.device)
-            hit = self._bonus[id(closers)] = (closers, bonus)
-        return hit[1]
 
 
 class DraftMasks:
@@ -326,7 +284,7 @@ class DraftMasks:
                     self.masks.fill(b)
         else:
             self._feed(j, last)
-        o, bits = out.numpy(), self.masks.bits.numpy()  # host tensors: numpy's indexing costs no dispatch
+        o, bits = _np(out), self.masks.bits.numpy()  # host tensors: numpy's indexing costs no dispatch
         o.fill(-1)
         for i, b in self.guided:
             if self.counts[i] >= j + 1:
@@ -354,7 +312,7 @@ class DraftMasks:
         """Draft j of every chain row known on the host without a read, or None: each guided row still
         drafting has a mask (out [n, W], from depth_words) allowing one token, of the draft vocabulary
         (allowed [V] bool, None: all): the masked argmax. Other rows are never fed: 0 stands in."""
-        words = out.numpy().view(np.uint32)
+        words = _np(out).view(np.uint32)
         known = [0] * self.n
         for i, _ in self.guided:
             if self.counts[i] < j + 1:  # ended: nothing of it is read

@@ -171,7 +171,8 @@ class Speculator:
         if plan.masks is not None and plan.static is not None and getattr(self.runner, "static_masks", None) is not None:
             t0 = time.perf_counter()  # a GPU's guided static step: the masks go into the step's graph
             plan.masks.fill_first()
-            words, closers = plan.masks.words([1 + r.k for r in plan.rows])
+            out = self.runner.static_masks.host(plan.static.rows * (plan.k + 1))  # written in place: no host copy
+            words, closers = plan.masks.words([1 + r.k for r in plan.rows], out)
             masks = (words, None if closers is None else self._mask_buffers.bonus(closers))
             plan.masks.mask_s += time.perf_counter() - t0
         return self.runner.run(plan.rows, proposal.drafts, rebuild=self.drafter.rebuild if in_graph else None,

@@ -216,8 +216,9 @@ class PagedDrafter:
             dev = self.k.device
             host = torch.zeros(num_rows * (2 + nblk), dtype=torch.int64, pin_memory=dev.type == "cuda")
             buf = host if dev.type == "cpu" else torch.zeros_like(host, device=dev)
-            st = self._static[key] = (host, host.numpy(), buf)
-        host, np_, buf = st
+            views = (buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:].view(num_rows, nblk))  # made once
+            st = self._static[key] = (host, host.numpy(), buf, views)
+        host, np_, buf, views = st
         S = len(rows)
         # the graph reads each sequence's last entry from _entries: a static rebuild left them there
         in_place = source.data_ptr() == self._entries.data_ptr() and source.dtype == self._entries.dtype
@@ -234,7 +235,7 @@ class PagedDrafter:
         if not in_place:  # an eager rebuild's (a prefill step's) outputs
             self._entries[:S].copy_(source[device_ints(rows, source.device)])
         self._grow(max_pos)  # outside a capture
-        return buf[:num_rows], buf[num_rows:2 * num_rows], buf[2 * num_rows:].view(num_rows, nblk)
+        return views
 
     @torch.inference_mode()
     def chain_guided(self, source: torch.Tensor, rows: list[int], committed: list[int], tables: list[list[int]],

@@ -41,6 +41,8 @@ class GuidedBuffers:
     words: torch.Tensor  # [Bp, W] int32 the depth's bitmasks, on the device
     host: torch.Tensor  # [k, Bp, W] int32 each depth's on the host (pinned on a GPU); padding rows allow all
     late: torch.Tensor  # [k, 2, Bp] int64 host (pinned on a GPU): the unread depths, copied behind the chain
+    host_np: np.ndarray  # host's numpy view, and host per depth (views made once: torch indexing costs µs)
+    host_rows: list[torch.Tensor]
 
     @property
     def drafts(self) -> torch.Tensor:  # [k, Bp]
@@ -60,7 +62,7 @@ def _buffers(drafter: Any, num_rows: int, k: int, words: int) -> GuidedBuffers:
         host = torch.full((k, num_rows, words), -1, dtype=torch.int32, pin_memory=pin)
         cache[key] = GuidedBuffers(torch.zeros(k, num_rows, d, dtype=drafter.k.dtype, device=dev),
                                    torch.zeros(k, 2, num_rows, dtype=torch.int64, device=dev), host[0].to(dev), host,
-                                   torch.zeros(k, 2, num_rows, dtype=torch.int64, pin_memory=pin))
+                                   torch.zeros(k, 2, num_rows, dtype=torch.int64, pin_memory=pin), host.numpy(), list(host))
     return cache[key]
 
 
@@ -117,11 +119,11 @@ def guided_chain(drafter: Any, key: tuple[int, int, int], c: torch.Tensor, idx: 
     allowed = _vocab_allowed(drafter, guide.masks.vocab_size)
     last, read = None, 0  # the host's draft j-1 of each row; depths read so far
     for j in range(k):
-        host = buf.host[j]  # a depth's own host words: an unread depth's copy may still be queued
-        guide.depth_words(j, last, host[:S])
-        buf.words.copy_(host, non_blocking=True)
+        host = buf.host_np[j, :S]  # a depth's own host words: an unread depth's copy may still be queued
+        guide.depth_words(j, last, host)
+        buf.words.copy_(buf.host_rows[j], non_blocking=True)
         _run_depth(drafter, buf, j, key, c, idx, tables)
-        last = guide.forced(j, host[:S], allowed) if SKIP_FORCED else None
+        last = guide.forced(j, host, allowed) if SKIP_FORCED else None
         if last is not None:  # every guided row's draft j is the one token its mask allows
             continue
         for chosen, free in buf.pair[read:j + 1].tolist():  # depths read..j in one copy: the wait
@@ -134,4 +136,4 @@ def guided_chain(drafter: Any, key: tuple[int, int, int], c: torch.Tensor, idx: 
         late.copy_(buf.pair[read:k], non_blocking=True)
         guide.note_late(late)
     guide.finish_host(last, k)
-    return buf.drafts.t().contiguous(), guide.counts
+    return buf.drafts.t(), guide.counts  # a view: the verify copies it into its inputs

@@ -42,15 +42,22 @@ class StaticMasks:
             self._bufs[tokens] = (host, host.to(self.device))
         return StaticMask(self._bufs[tokens][1], self.bonus)
 
+    def host(self, tokens: int) -> torch.Tensor:
+        """The pinned host buffer [tokens, W + 1] whose copy `stage` queues: StepMasks.words may write
+        the step's words straight into it (padding rows included)."""
+        self.buffers(tokens)
+        return self._bufs[tokens][0]
+
     def stage(self, tokens: int, words: torch.Tensor, bonus: torch.Tensor | None) -> StaticMask:
-        """words [R <= tokens, W + 1] (host) for the real rows; bonus [V] on the device (None: no
-        row closes) -> the graph's buffers, filled (the copy queued on the stream)."""
+        """words [R <= tokens, W + 1] (host) for the real rows, or the `host` buffer written whole; bonus
+        [V] on the device (None: no row closes) -> the graph's buffers, filled (the copy queued on the stream)."""
         mask = self.buffers(tokens)
         host = self._bufs[tokens][0]
-        R = words.shape[0]
-        host[:R] = words
-        host[R:, :-1] = -1
-        host[R:, -1] = 0
+        if words.data_ptr() != host.data_ptr():
+            R = words.shape[0]
+            host[:R] = words
+            host[R:, :-1] = -1
+            host[R:, -1] = 0
         mask.words.copy_(host, non_blocking=True)
         if bonus is not None and bonus.numel() == self.bonus.numel() and bonus is not self._bonus_src:
             self.bonus.copy_(bonus)
