@@ -148,8 +148,7 @@ class StepMasks:
         if self.buffers is None:  # fresh buffers for this step only
             self.buffers = MaskBuffers(self.device)
         # positions are read only once filled, so a reused buffer needs no reset
-        self.bits = self.buffers.host("bits", (len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)))
-        self._rows = list(self.bits)
+        self.bits, self._rows = self.buffers.host_rows("bits", (len(self.rows), self.kmax + 1, bitmask_words(self.vocab_size)))
         self.slot = {b: i for i, b in enumerate(self.rows)}
         self.filled = {b: 0 for b in self.rows}
 
@@ -317,11 +316,12 @@ class DraftMasks:
         for i, _ in self.guided:
             if self.counts[i] < j + 1:  # ended: nothing of it is read
                 continue
-            nz = np.flatnonzero(words[i])
-            if nz.size != 1:
+            row = words[i]
+            if np.count_nonzero(row) != 1:  # (no array made: most depths are not forced)
                 return None
-            w = int(words[i, nz[0]])
-            tok = int(nz[0]) * 32 + w.bit_length() - 1
+            at = int(row.argmax())
+            w = int(row[at])
+            tok = at * 32 + w.bit_length() - 1
             if w & (w - 1) or tok >= self.masks.vocab_size or (allowed is not None and not allowed[tok]):
                 return None
             known[i] = tok

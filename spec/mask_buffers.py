@@ -26,15 +26,27 @@ class MaskBuffers:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._host: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # (name, shape) -> view, its rows
         self._dev: dict[str, torch.Tensor] = {}
         self._bonus: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.host_rows(name, shape)[0]
+
+    def host_rows(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The host buffer `name` viewed as `shape`, and that view's rows (made once per shape: torch
+        indexing costs microseconds a call on a GPU's host)."""
+        hit = self._views.get((name, shape))
+        if hit is not None:
+            return hit
         n = math.prod(shape)
         buf = self._host.get(name)
         if buf is None or buf.numel() < n:
             buf = self._host[name] = host_words((max(n, 2 * (0 if buf is None else buf.numel())),), self.device)
-        return buf[:n].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
+        view = buf[:n].view(shape)
+        hit = self._views[(name, shape)] = (view, list(view))
+        return hit
 
     def device_copy(self, name: str, src: torch.Tensor) -> torch.Tensor:
         """src (a host buffer of this object) on the device, queued (no sync on a GPU)."""
