@@ -209,7 +209,7 @@ class Speculator:
         """The drafter's rebuild, then the step's one host sync; a greedy static step drafts the next
         step's chain on the device behind the copy."""
         if plan.multi > 1:  # runs of `multi` tokens; the fed ones (all but the last) are what commit keeps
-            return StepOutput(*unpack(self._to_host(accepted.packed), [plan.multi - 1] * len(plan.rows), plan.multi - 1))
+            return StepOutput(*unpack(accepted.packed.tolist(), [plan.multi - 1] * len(plan.rows), plan.multi - 1))
         static, rebuild_s, catchup_s = forward.static, 0.0, 0.0
         if self._rebuild_in_graph(plan):
             self._draft_out = static.draft_out
@@ -227,7 +227,7 @@ class Speculator:
             drafts_next = self._chain_ahead(plan, static)
             host = wait()
         else:
-            host = self._to_host(accepted.packed)  # the one host sync of the step
+            host = accepted.packed.tolist()  # the one host sync of the step (pageable: for a few words, faster than pinned + event)
             drafts_next = self._chain_ahead(plan, static) if ahead else None
         runs, drafts = unpack(host, [r.k for r in plan.rows], plan.k)
         if plan.limits is not None:  # a guided chain that stopped early: the graph's acceptance did not know
@@ -316,10 +316,6 @@ class Speculator:
             return tokens.reshape(-1)
         pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
         return pool[device_ints(src, self.device)]
-
-    def _to_host(self, packed: torch.Tensor) -> list[list[int]]:
-        """packed's rows on the host; from a GPU through pinned memory (tolist's pageable copy is slower)."""
-        return self._host_copy(packed)() if packed.is_cuda else packed.tolist()
 
     def _host_copy(self, packed: torch.Tensor) -> Callable[[], list[list[int]]]:
         """Starts packed's copy into pinned host memory; -> a call that waits for it and returns the lists."""
