@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from spec.mask_buffers import CLOSE_BONUS, MaskBuffers, host_words  # noqa: F401 - re-exported
+from spec.mask_buffers import CLOSE_BONUS, MaskBuffers, host_words
 from state.transfer import device_ints
 
 

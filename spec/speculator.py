@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
 from spec.catchup import CatchUp
-from spec.grammar import DraftMasks, MaskBuffers, StepMasks, active_guide, bitmask_words
+from spec.grammar import DraftMasks, StepMasks, active_guide, bitmask_words
+from spec.mask_buffers import MaskBuffers
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
 from state.transfer import device_ints
 
