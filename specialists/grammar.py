@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -148,6 +149,36 @@ def min_chars(schema: Any, root: Any = None, depth: int = 0) -> int:
     return min(sizes)
 
 
+UNROLL_MAX = 256  # more optional characters than this keep the counted form (a chain of 512 compiled in 3.2 s against 1.4 at a 49,152-token vocabulary)
+_BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.M)
+
+
+def unroll_bounded_strings(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with each bounded string (`NAME ::= "\"" CHAR{m, n} "\""`, what
+    it prints for minLength / maxLength) rewritten as a chain of rules that carry the closing quote:
+    `NAME ::= "\"" CHAR*m NAME_k`, `NAME_k ::= "\"" | CHAR NAME_(k-1)`, `NAME_0 ::= "\""`. The language
+    is the same, so every mask is (tests/test_grammar.py compares them token by token), but a fill no
+    longer walks xgrammar's counted repetition: late in a 16-character string a fill took up to 270 us
+    on this CPU (3.9 ms late in a 128-character string at a 49,152-token vocabulary), and 2-13 us so."""
+    names = set(re.findall(r"^(\w+) ::=", ebnf, re.M))
+    extra: list[str] = []
+
+    def chain(mo: re.Match[str]) -> str:
+        name, char, least, most = mo.group(1), mo.group(2), int(mo.group(3)), int(mo.group(4))
+        if most - least > UNROLL_MAX:
+            return mo.group(0)
+        stem = name + "_upto"
+        while any(n.startswith(stem) for n in names):
+            stem += "_"
+        rules = [f'{stem}{k} ::= "\\""' + (f" | {char} {stem}{k - 1}" if k else "") for k in range(most - least + 1)]
+        extra.extend(rules)
+        names.update(r.split(" ", 1)[0] for r in rules)
+        return f'{name} ::= "\\"" ' + " ".join([char] * least + [f"{stem}{most - least}"])
+
+    out = _BOUNDED_STRING.sub(chain, ebnf)
+    return out if not extra else out + "\n" + "\n".join(extra) + "\n"
+
+
 def _literal(text: str) -> str:
     """An EBNF rule matching exactly `text`."""
     return "root ::= " + json.dumps(text, ensure_ascii=False)
@@ -226,8 +257,11 @@ class GrammarCompiler:
 
     def _schema_grammar(self, schema: dict[str, Any]) -> Any:
         try:
-            return xgr.Grammar.from_json_schema(json.dumps(bounded(schema, self.bounds)), any_whitespace=False, separators=SEPARATORS,
-                                                strict_mode=True)
+            grammar = xgr.Grammar.from_json_schema(json.dumps(bounded(schema, self.bounds)), any_whitespace=False, separators=SEPARATORS,
+                                                   strict_mode=True)
+            text = str(grammar)
+            unrolled = unroll_bounded_strings(text)
+            return grammar if unrolled == text else xgr.Grammar.from_ebnf(unrolled, root_rule_name="root")
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError on bad schemas
             raise GrammarError(f"cannot build a grammar for the schema: {exc}") from None
 
