@@ -156,27 +156,46 @@ _BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\
 def unroll_bounded_strings(ebnf: str) -> str:
     """xgrammar's EBNF for a JSON schema with each bounded string (`NAME ::= "\"" CHAR{m, n} "\""`, what
     it prints for minLength / maxLength) rewritten as a chain of rules that carry the closing quote:
-    `NAME ::= "\"" CHAR*m NAME_k`, `NAME_k ::= "\"" | CHAR NAME_(k-1)`, `NAME_0 ::= "\""`. The language
-    is the same, so every mask is (tests/test_grammar.py compares them token by token), but a fill no
-    longer walks xgrammar's counted repetition: late in a 16-character string a fill took up to 270 us
-    on this CPU (3.9 ms late in a 128-character string at a 49,152-token vocabulary), and 2-13 us so."""
-    names = set(re.findall(r"^(\w+) ::=", ebnf, re.M))
+    `NAME ::= "\"" CHAR*m UPTO_(n-m)`, `UPTO_k ::= "\"" | CHAR UPTO_(k-1)`, `UPTO_0 ::= "\""`. The language
+    is the same, so every mask is (tests/test_grammar_strings.py compares them token by token), but a fill
+    no longer walks xgrammar's counted repetition: late in a 16-character string a fill took up to 270 us
+    on this CPU (3.9 ms late in a 128-character string at a 49,152-token vocabulary), and 2-13 us so.
+    Strings of the same characters and n - m share one chain: each rule of a chain costs compile time
+    (~7 ms at a 49,152-token vocabulary), so a chain per string made a tool with several 128-character
+    strings compile in up to 8.8 s."""
+    bodies = dict(re.findall(r"^(\w+) ::= (.*)$", ebnf, re.M))
+    chains: dict[tuple[str, int], str] = {}  # (the characters' rule body, n - m) -> the chain's stem
     extra: list[str] = []
 
     def chain(mo: re.Match[str]) -> str:
         name, char, least, most = mo.group(1), mo.group(2), int(mo.group(3)), int(mo.group(4))
-        if most - least > UNROLL_MAX:
+        if most - least > UNROLL_MAX or char not in bodies:
             return mo.group(0)
-        stem = name + "_upto"
-        while any(n.startswith(stem) for n in names):
-            stem += "_"
-        rules = [f'{stem}{k} ::= "\\""' + (f" | {char} {stem}{k - 1}" if k else "") for k in range(most - least + 1)]
-        extra.extend(rules)
-        names.update(r.split(" ", 1)[0] for r in rules)
-        return f'{name} ::= "\\"" ' + " ".join([char] * least + [f"{stem}{most - least}"])
+        key = (bodies[char], most - least)
+        if key not in chains:
+            stem = f"{char}_upto"
+            while any(n.startswith(stem) for n in bodies):
+                stem += "_"
+            rules = [f'{stem}{k} ::= "\\""' + (f" | {char} {stem}{k - 1}" if k else "") for k in range(most - least + 1)]
+            extra.extend(rules)
+            bodies.update((r.split(" ", 1)[0], "") for r in rules)
+            chains[key] = stem
+        return f'{name} ::= "\\"" ' + " ".join([char] * least + [f"{chains[key]}{most - least}"])
 
     out = _BOUNDED_STRING.sub(chain, ebnf)
     return out if not extra else out + "\n" + "\n".join(extra) + "\n"
+
+
+def _unrolled(grammar: Any) -> Any:
+    """grammar with its bounded strings as chains (unroll_bounded_strings), or itself if it has none."""
+    text = str(grammar)
+    unrolled = unroll_bounded_strings(text)
+    if unrolled == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(unrolled, root_rule_name="root")
+    except Exception:  # noqa: BLE001 - the counted form is the same language: only slower
+        return grammar
 
 
 def _literal(text: str) -> str:
@@ -257,11 +276,8 @@ class GrammarCompiler:
 
     def _schema_grammar(self, schema: dict[str, Any]) -> Any:
         try:
-            grammar = xgr.Grammar.from_json_schema(json.dumps(bounded(schema, self.bounds)), any_whitespace=False, separators=SEPARATORS,
-                                                   strict_mode=True)
-            text = str(grammar)
-            unrolled = unroll_bounded_strings(text)
-            return grammar if unrolled == text else xgr.Grammar.from_ebnf(unrolled, root_rule_name="root")
+            return xgr.Grammar.from_json_schema(json.dumps(bounded(schema, self.bounds)), any_whitespace=False, separators=SEPARATORS,
+                                                strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError on bad schemas
             raise GrammarError(f"cannot build a grammar for the schema: {exc}") from None
 
@@ -286,7 +302,7 @@ class GrammarCompiler:
             return Constraint(self._compiler.compile_builtin_json_grammar(), False, self.closers, 2)
         if spec.kind == "json_schema":
             grammar = self._schema_grammar(spec.schema_ or {})
-            return Constraint(self._compiler.compile_grammar(grammar), False, self.closers, min_chars(spec.schema_ or {}))
+            return Constraint(self._compiler.compile_grammar(_unrolled(grammar)), False, self.closers, min_chars(spec.schema_ or {}))
         least = max(len(json.dumps(t.name, ensure_ascii=False)) + 25 + min_chars(t.parameters) for t in spec.tools)
         heads = ['{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "arguments": ' for t in spec.tools]
         args: list[Any] = []
@@ -313,9 +329,9 @@ class GrammarCompiler:
                  for h, a in zip(heads, args)]
         body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
         if self.tool_close is not None:  # the grammar ends at `}`; then only the </tool_call> token
-            return Constraint(self._tool_compiler.compile_grammar(body), spec.activate_on_tool_open, self.closers, least)
+            return Constraint(self._tool_compiler.compile_grammar(_unrolled(body)), spec.activate_on_tool_open, self.closers, least)
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(_literal(TOOL_CALL_CLOSE)))
-        return Constraint(self._compiler.compile_grammar(body), spec.activate_on_tool_open, self.closers,
+        return Constraint(self._compiler.compile_grammar(_unrolled(body)), spec.activate_on_tool_open, self.closers,
                           least + len(TOOL_CALL_CLOSE))
 
     def stats(self) -> dict[str, int]:

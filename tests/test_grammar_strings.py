@@ -18,7 +18,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from specialists.grammar import SEPARATORS, UNROLL_MAX, Bounds, GrammarCompiler, bounded, unroll_bounded_strings
+from specialists.grammar import SEPARATORS, UNROLL_MAX, Bounds, GrammarCompiler, _unrolled, bounded, unroll_bounded_strings
 
 BOUNDS = Bounds(max_string=16, max_items=3, number_range=1e6)
 SCHEMA = {"type": "object", "properties": {
@@ -49,8 +49,10 @@ def test_unrolled_strings_allow_exactly_what_the_counted_form_allows(shell) -> N
     compiler, texts = shell
     counted = xgr.Grammar.from_json_schema(json.dumps(bounded(SCHEMA, BOUNDS)), any_whitespace=False,
                                            separators=SEPARATORS, strict_mode=True)
-    chained = compiler._schema_grammar(SCHEMA)
+    chained = _unrolled(compiler._schema_grammar(SCHEMA))
     assert "_characters{0, 16}" in str(counted) and "_characters{" not in str(chained)
+    # strings of the same characters and the same number of optional ones share a chain: 16, 3, 4, 0
+    assert str(chained).count("_upto0 ::=") == 4, str(chained)
     a, b = (compiler._compiler.compile_grammar(g) for g in (counted, chained))
     vocab = compiler.info.vocab_size
     rng = random.Random(7)
@@ -77,13 +79,18 @@ def test_unrolled_strings_allow_exactly_what_the_counted_form_allows(shell) -> N
 
 
 def test_the_chain_carries_the_closing_quote_and_long_bounds_stay_counted() -> None:
-    text = 'root ::= (("{" "\\"a\\"" ": " root_prop_0 "}"))\nroot_prop_0 ::= (("\\"" root_prop_0_characters{2, 4} "\\""))\n'
+    text = ('root ::= (("{" "\\"a\\"" ": " root_prop_0 ", " "\\"b\\"" ": " root_prop_1 "}"))\n'
+            'root_prop_0 ::= (("\\"" root_prop_0_characters{2, 4} "\\""))\nroot_prop_0_characters ::= (([^\\"\\\\\\r\\n]))\n'
+            'root_prop_1 ::= (("\\"" root_prop_1_characters{0, 2} "\\""))\nroot_prop_1_characters ::= (([^\\"\\\\\\r\\n]))\n')
     out = unroll_bounded_strings(text)
-    assert 'root_prop_0 ::= "\\"" root_prop_0_characters root_prop_0_characters root_prop_0_upto2' in out
-    assert 'root_prop_0_upto0 ::= "\\""' in out and 'root_prop_0_upto2 ::= "\\"" | root_prop_0_characters root_prop_0_upto1' in out
+    assert 'root_prop_0 ::= "\\"" root_prop_0_characters root_prop_0_characters root_prop_0_characters_upto2' in out
+    assert 'root_prop_0_characters_upto0 ::= "\\""' in out
+    assert 'root_prop_0_characters_upto2 ::= "\\"" | root_prop_0_characters root_prop_0_characters_upto1' in out
     assert "upto3" not in out
-    long = text.replace("{2, 4}", "{0, %d}" % (UNROLL_MAX + 1))
+    # the second string has the same characters and 2 optional ones: it shares the first one's chain
+    assert 'root_prop_1 ::= "\\"" root_prop_0_characters_upto2' in out and "root_prop_1_characters_upto" not in out
+    long = text.replace("{2, 4}", "{0, %d}" % (UNROLL_MAX + 1)).replace("{0, 2}", "{0, %d}" % (UNROLL_MAX + 1))
     assert unroll_bounded_strings(long) == long
     # a rule name already taken is not reused
-    taken = text + "root_prop_0_upto7 ::= \"x\"\n"
-    assert "root_prop_0_upto_0 ::=" in unroll_bounded_strings(taken)
+    taken = text + "root_prop_0_characters_upto7 ::= \"x\"\n"
+    assert "root_prop_0_characters_upto_0 ::=" in unroll_bounded_strings(taken)
