@@ -101,3 +101,41 @@ def test_export_drafter_into_a_shipped_model_replaces_only_its_drafter(tmp_path:
         assert f.get_slice("proj.weight").get_dtype() == "BF16"
     shipped = load_drafter(model).proj.weight
     assert torch.equal(shipped, drafter.proj.weight.to(torch.bfloat16).float())
+
+
+def test_drafter_loss_on_replies_only_counts_the_reply_tokens_predicted() -> None:
+    """`mtp --loss-on replies`: the soft cross-entropy of a depth at position t (its draft is token
+    t+2 of the input) counts only when that token carries loss; with loss everywhere it is the default."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from specialists.models.mtp import depth_weights, load_drafter
+    from specialists.train.data import Batch
+    from specialists.train.trainer import drafter_losses
+
+    backbone = AutoModelForCausalLM.from_pretrained("deploy/models/cpp", dtype=torch.float32).eval()
+    drafter = load_drafter(Path("deploy/models/cpp"))
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, backbone.config.vocab_size, (2, 65), generator=g)
+    inputs, labels = seq[:, :-1], seq[:, 1:]
+    everywhere = Batch(inputs, labels, torch.ones(2, 64))
+    with torch.no_grad():
+        full, _ = drafter_losses(drafter, backbone, everywhere, 3)
+        same, _ = drafter_losses(drafter, backbone, everywhere, 3, replies_only=True)
+        reply_from = 44  # input tokens 44.. are the reply's (labels index j - 1 carries input token j)
+        mask = (torch.arange(64) + 1 >= reply_from).float().expand(2, 64).contiguous()
+        got, _ = drafter_losses(drafter, backbone, Batch(inputs, labels, mask), 3, replies_only=True)
+        hidden = backbone.model(input_ids=inputs, use_cache=False).last_hidden_state
+        target = backbone.lm_head(hidden)[:, 1:].float().softmax(-1)
+        outs = drafter.forward_chains(hidden, inputs, backbone.get_input_embeddings().weight, 3)
+        want = torch.zeros(())
+        for depth, (out, w) in enumerate(zip(outs, depth_weights(drafter.cfg, 3)), start=1):
+            logp = F.log_softmax(drafter.logits(out, backbone.get_output_embeddings().weight).float(), -1)
+            ce = -(target * logp).sum(-1)  # [2, 63]: position t drafts input token t + 2
+            keep = torch.zeros_like(ce)
+            keep[:, depth - 1:] = 1.0
+            keep[:, : max(0, reply_from - 2)] = 0.0
+            want = want + w * (ce * keep).sum() / keep.sum()
+    assert torch.equal(full, same)
+    assert torch.allclose(got, want, rtol=1e-5) and not torch.allclose(got, full, rtol=1e-3)

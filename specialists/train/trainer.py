@@ -223,8 +223,10 @@ def bigram_table(stream: np.ndarray, vocab: int) -> torch.Tensor:
     return torch.from_numpy(table)
 
 
-def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch, k: int, bigram: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Soft cross-entropy of each depth against the frozen backbone's distribution."""
+def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch, k: int, bigram: torch.Tensor | None = None,
+                   replies_only: bool = False) -> tuple[torch.Tensor, dict]:
+    """Soft cross-entropy of each depth against the frozen backbone's distribution, at every position
+    (replies_only: only where the predicted token carries loss in the batch: raw text, a chat's replies)."""
     with torch.no_grad():
         hidden = backbone.model(input_ids=batch.inputs, use_cache=False).last_hidden_state  # [B, L, d]
         target_logits = backbone.lm_head(hidden)[:, 1:].float()  # [B, L-1, V]: predicts x_{t+2}
@@ -234,13 +236,15 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     head = backbone.get_output_embeddings().weight
     outs = drafter.forward_chains(hidden, batch.inputs, embed, k)
     weights = depth_weights(drafter.cfg, k)
+    where = batch.loss_mask[:, 1:] if replies_only else None  # [B, L-1], aligned with target (x_{t+2})
     total = torch.zeros((), device=hidden.device)
     metrics: dict[str, float] = {}
     agree = None
     for depth, (out, w) in enumerate(zip(outs, weights), start=1):
         logp = drafter.logits(out, head).float().log_softmax(-1)
         valid = slice(depth - 1, None)
-        loss = -(target[:, valid] * logp[:, valid]).sum(-1).mean()
+        ce = -(target[:, valid] * logp[:, valid]).sum(-1)
+        loss = ce.mean() if where is None else (ce * where[:, valid]).sum() / where[:, valid].sum().clamp(min=1)
         total = total + w * loss
         hit = (logp.argmax(-1) == greedy).long()  # agreement with the backbone's greedy token
         # the chain that reaches depth k at t passed depth k-1 at t-1 (teacher-forced on the data)
@@ -252,7 +256,7 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
 
 
 def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int, init_drafter: Path | None = None,
-              backbone_dir: Path | None = None) -> dict:
+              backbone_dir: Path | None = None, replies_only: bool = False) -> dict:
     backbone_dir = backbone_dir or args.out / "backbone"  # the frozen checkpoint; the drafter is saved into it
     backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir), dtype=torch.float32).to(args.device).eval()
     backbone.requires_grad_(False)
@@ -274,7 +278,7 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps
     val = fixed_batches(args)
 
     def loss_fn(batch: Batch):
-        return drafter_losses(drafter, backbone, batch, k)
+        return drafter_losses(drafter, backbone, batch, k, replies_only=replies_only)
 
     @torch.no_grad()
     def eval_fn() -> dict:
@@ -343,6 +347,8 @@ def cli(argv: list[str]) -> int:
         parser.add_argument("--sanity-steps", type=int, default=200, help="abort unless the drafter beats the bigram baseline by then")
         parser.add_argument("--init-drafter", type=Path, default=None, help="continue from this directory's mtp.safetensors")
         parser.add_argument("--backbone", type=Path, default=None, help="the frozen checkpoint (default <out>/backbone); the drafter is saved into it")
+        parser.add_argument("--loss-on", choices=["all", "replies"], default="all",
+                            help="chat rows: every position (all) or only the replies' tokens (raw text: always all)")
     ns = parser.parse_args(rest)
     if ns.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -355,7 +361,9 @@ def cli(argv: list[str]) -> int:
     if kind == "backbone":
         record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain], ns.init_from)
     else:
-        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps, ns.init_drafter, ns.backbone)
+        record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps, ns.init_drafter, ns.backbone,
+                           ns.loss_on == "replies")
+        record["loss_on"] = ns.loss_on
     record.update(domain=ns.domain, device=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu", seed=ns.seed,
                   batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr)
     (out / f"{kind}_result.json").write_text(json.dumps(record, indent=2) + "\n")
