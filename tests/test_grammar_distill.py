@@ -139,3 +139,33 @@ def test_drafter_loss_on_replies_only_counts_the_reply_tokens_predicted() -> Non
             want = want + w * (ce * keep).sum() / keep.sum()
     assert torch.equal(full, same)
     assert torch.allclose(got, want, rtol=1e-5) and not torch.allclose(got, full, rtol=1e-3)
+
+
+def test_drafter_anchor_acts_on_raw_text_rows_only() -> None:
+    """`mtp --anchor-weight W`: W x KL(anchor drafter || drafter) joins the loss on raw-text rows (no
+    masked position); it is zero against itself and never touches a chat row."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specialists.models.mtp import load_drafter
+    from specialists.train.data import Batch
+    from specialists.train.trainer import drafter_losses
+
+    backbone = AutoModelForCausalLM.from_pretrained("deploy/models/cpp", dtype=torch.float32).eval()
+    drafter = load_drafter(Path("deploy/models/cpp"))
+    other = copy.deepcopy(drafter)
+    with torch.no_grad():
+        other.proj.weight.mul_(1.5)
+    seq = torch.randint(0, backbone.config.vocab_size, (2, 49), generator=torch.Generator().manual_seed(1))
+    text = Batch(seq[:, :-1], seq[:, 1:], torch.ones(2, 48))
+    chat_mask = torch.ones(2, 48)
+    chat_mask[:, :10] = 0  # a prompt: these rows are chat rows
+    chat = Batch(seq[:, :-1], seq[:, 1:], chat_mask)
+    with torch.no_grad():
+        for batch in (text, chat):
+            base, _ = drafter_losses(drafter, backbone, batch, 3)
+            assert torch.equal(drafter_losses(drafter, backbone, batch, 3, anchor=(drafter, 1.0))[0], base)
+        assert drafter_losses(drafter, backbone, text, 3, anchor=(other, 1.0))[0] > drafter_losses(drafter, backbone, text, 3)[0] + 1e-3
+        assert torch.equal(drafter_losses(drafter, backbone, chat, 3, anchor=(other, 1.0))[0], drafter_losses(drafter, backbone, chat, 3)[0])

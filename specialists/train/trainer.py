@@ -224,9 +224,10 @@ def bigram_table(stream: np.ndarray, vocab: int) -> torch.Tensor:
 
 
 def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch, k: int, bigram: torch.Tensor | None = None,
-                   replies_only: bool = False) -> tuple[torch.Tensor, dict]:
+                   replies_only: bool = False, anchor: tuple[MTPDrafter, float] | None = None) -> tuple[torch.Tensor, dict]:
     """Soft cross-entropy of each depth against the frozen backbone's distribution, at every position
-    (replies_only: only where the predicted token carries loss in the batch: raw text, a chat's replies)."""
+    (replies_only: only where the predicted token carries loss in the batch: raw text, a chat's replies);
+    anchor (drafter, weight): plus weight x KL(anchor's distribution || this drafter's) on raw-text rows."""
     with torch.no_grad():
         hidden = backbone.model(input_ids=batch.inputs, use_cache=False).last_hidden_state  # [B, L, d]
         target_logits = backbone.lm_head(hidden)[:, 1:].float()  # [B, L-1, V]: predicts x_{t+2}
@@ -235,6 +236,7 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     embed = backbone.get_input_embeddings().weight
     head = backbone.get_output_embeddings().weight
     outs = drafter.forward_chains(hidden, batch.inputs, embed, k)
+    held = _anchor_logp(anchor, hidden, batch, embed, head, k)
     weights = depth_weights(drafter.cfg, k)
     where = batch.loss_mask[:, 1:] if replies_only else None  # [B, L-1], aligned with target (x_{t+2})
     total = torch.zeros((), device=hidden.device)
@@ -246,6 +248,10 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
         ce = -(target[:, valid] * logp[:, valid]).sum(-1)
         loss = ce.mean() if where is None else (ce * where[:, valid]).sum() / where[:, valid].sum().clamp(min=1)
         total = total + w * loss
+        if held is not None:  # raw-text rows (no masked position) stay near the anchor drafter
+            text = (batch.loss_mask.min(dim=1).values == 1).float()[:, None]
+            kl = (held[depth - 1].exp() * (held[depth - 1] - logp)).sum(-1)[:, valid]
+            total = total + anchor[1] * w * (kl * text).sum() / (text.sum() * kl.shape[1]).clamp(min=1)
         hit = (logp.argmax(-1) == greedy).long()  # agreement with the backbone's greedy token
         # the chain that reaches depth k at t passed depth k-1 at t-1 (teacher-forced on the data)
         agree = hit if agree is None else F.pad(agree, (1, 0))[:, :-1] * hit
@@ -255,19 +261,33 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     return total, metrics
 
 
+def _anchor_logp(anchor: tuple[MTPDrafter, float] | None, hidden: torch.Tensor, batch: Batch, embed: torch.Tensor,
+                 head: torch.Tensor, k: int) -> list[torch.Tensor] | None:
+    """The anchor drafter's log-probabilities per depth ([B, L-1, V] each), or None."""
+    if anchor is None or anchor[1] <= 0:
+        return None
+    with torch.no_grad():
+        return [anchor[0].logits(o, head).float().log_softmax(-1) for o in anchor[0].forward_chains(hidden, batch.inputs, embed, k)]
+
+
+def _load_anchor(init_drafter: Path | None, weight: float, device: str) -> tuple[MTPDrafter, float] | None:
+    if weight <= 0:
+        return None
+    if init_drafter is None:
+        raise ValueError("--anchor-weight needs --init-drafter (the drafter to stay near on raw text)")
+    return load_drafter(init_drafter).to(device).eval().requires_grad_(False), weight
+
+
 def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps: int, init_drafter: Path | None = None,
-              backbone_dir: Path | None = None, replies_only: bool = False) -> dict:
+              backbone_dir: Path | None = None, replies_only: bool = False, anchor_weight: float = 0.0) -> dict:
     backbone_dir = backbone_dir or args.out / "backbone"  # the frozen checkpoint; the drafter is saved into it
-    backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir), dtype=torch.float32).to(args.device).eval()
-    backbone.requires_grad_(False)
+    backbone = AutoModelForCausalLM.from_pretrained(str(backbone_dir), dtype=torch.float32).to(args.device).eval().requires_grad_(False)
     bc, result = backbone.config, args.out / "backbone_result.json"
     preset_name = json.loads(result.read_text())["preset"] if result.exists() else None
     inter = intermediate_size or (PRESETS[preset_name].mtp_intermediate_size if preset_name else bc.hidden_size)
-    cfg = MTPConfig(
-        hidden_size=bc.hidden_size, intermediate_size=inter, num_attention_heads=bc.num_attention_heads,
-        num_key_value_heads=bc.num_key_value_heads, vocab_size=bc.vocab_size, num_speculative_tokens=k,
-        rms_norm_eps=bc.rms_norm_eps,
-    )
+    cfg = MTPConfig(hidden_size=bc.hidden_size, intermediate_size=inter, num_attention_heads=bc.num_attention_heads,
+                    num_key_value_heads=bc.num_key_value_heads, vocab_size=bc.vocab_size, num_speculative_tokens=k,
+                    rms_norm_eps=bc.rms_norm_eps)
     torch.manual_seed(args.seed)
     drafter = MTPDrafter(cfg)
     if init_drafter is not None:  # continue training a shipped drafter
@@ -277,8 +297,10 @@ def train_mtp(args: RunArgs, k: int, intermediate_size: int | None, sanity_steps
     bigram = bigram_table(np.asarray(train.text[:20_000_000]), bc.vocab_size)
     val = fixed_batches(args)
 
+    anchor = _load_anchor(init_drafter, anchor_weight, args.device)
+
     def loss_fn(batch: Batch):
-        return drafter_losses(drafter, backbone, batch, k, replies_only=replies_only)
+        return drafter_losses(drafter, backbone, batch, k, replies_only=replies_only, anchor=anchor)
 
     @torch.no_grad()
     def eval_fn() -> dict:
@@ -349,6 +371,8 @@ def cli(argv: list[str]) -> int:
         parser.add_argument("--backbone", type=Path, default=None, help="the frozen checkpoint (default <out>/backbone); the drafter is saved into it")
         parser.add_argument("--loss-on", choices=["all", "replies"], default="all",
                             help="chat rows: every position (all) or only the replies' tokens (raw text: always all)")
+        parser.add_argument("--anchor-weight", type=float, default=0.0,
+                            help="> 0: add this x KL(--init-drafter's distribution || the drafter's) on raw-text rows")
     ns = parser.parse_args(rest)
     if ns.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -362,8 +386,8 @@ def cli(argv: list[str]) -> int:
         record = train_backbone(args, ns.tokenizer, ns.preset or DEFAULT_PRESET[ns.domain], ns.init_from)
     else:
         record = train_mtp(args, ns.k, ns.intermediate_size, ns.sanity_steps, ns.init_drafter, ns.backbone,
-                           ns.loss_on == "replies")
-        record["loss_on"] = ns.loss_on
+                           ns.loss_on == "replies", ns.anchor_weight)
+        record.update(loss_on=ns.loss_on, anchor_weight=ns.anchor_weight)
     record.update(domain=ns.domain, device=torch.cuda.get_device_name() if ns.device.startswith("cuda") else "cpu", seed=ns.seed,
                   batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr)
     (out / f"{kind}_result.json").write_text(json.dumps(record, indent=2) + "\n")
