@@ -237,6 +237,7 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
     head = backbone.get_output_embeddings().weight
     outs = drafter.forward_chains(hidden, batch.inputs, embed, k)
     held = _anchor_logp(anchor, hidden, batch, embed, head, k)
+    text = (batch.loss_mask.min(dim=1).values == 1).float()[:, None]  # raw-text rows: no masked position
     weights = depth_weights(drafter.cfg, k)
     where = batch.loss_mask[:, 1:] if replies_only else None  # [B, L-1], aligned with target (x_{t+2})
     total = torch.zeros((), device=hidden.device)
@@ -248,8 +249,7 @@ def drafter_losses(drafter: MTPDrafter, backbone: PreTrainedModel, batch: Batch,
         ce = -(target[:, valid] * logp[:, valid]).sum(-1)
         loss = ce.mean() if where is None else (ce * where[:, valid]).sum() / where[:, valid].sum().clamp(min=1)
         total = total + w * loss
-        if held is not None:  # raw-text rows (no masked position) stay near the anchor drafter
-            text = (batch.loss_mask.min(dim=1).values == 1).float()[:, None]
+        if held is not None:  # raw-text rows stay near the anchor drafter
             kl = (held[depth - 1].exp() * (held[depth - 1] - logp)).sum(-1)[:, valid]
             total = total + anchor[1] * w * (kl * text).sum() / (text.sum() * kl.shape[1]).clamp(min=1)
         hit = (logp.argmax(-1) == greedy).long()  # agreement with the backbone's greedy token
