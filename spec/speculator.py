@@ -61,6 +61,10 @@ class Speculator:
         self.catch_up = CatchUp()  # drafter entries owed for plain steps that skipped the rebuild
         self._entries: set[int] = set()  # sequences the drafter has entries for (rebuilt at least once)
 
+    def owed(self, seq_id: int) -> int:
+        """Tokens whose drafter entries the next rebuild of seq_id will catch up (spec/catchup.py)."""
+        return self.catch_up.owed(seq_id, self.kv.num_computed)
+
     def forget(self, seq_id: int) -> None:
         self._draft_index.pop(seq_id, None)
         self._entries.discard(seq_id)
@@ -216,12 +220,13 @@ class Speculator:
             self._draft_out = static.draft_out
         elif plan.rebuild and self.drafter is not None:
             t0 = time.perf_counter()
-            self.catch_up.run(self.runner, self.drafter, [r.seq_id for r in plan.rows])  # owed entries first
+            self.catch_up.run(self.runner, self.drafter, [r.seq_id for r in plan.rows], self.kv.num_computed)  # owed first
             catchup_s = time.perf_counter() - t0
             self._rebuild(plan, forward, accepted.tokens)
             rebuild_s = time.perf_counter() - t0
-        elif self.drafter is not None and not self.runner.static and (owed := self._owing(plan)):
-            self.catch_up.stash(owed, forward.hidden, self._next_tokens(plan, forward, accepted.tokens))
+        elif self.drafter is not None and not self.runner.static and (self._entries or plan.owe_new or self.catch_up.owes):
+            self.catch_up.stash(plan.rows, self._entries, plan.owe_new, forward.hidden, accepted.tokens,
+                                lambda: self._next_tokens(plan, forward, accepted.tokens), self.kv.num_computed)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
             wait = self._host_copy(accepted.packed)
@@ -237,15 +242,6 @@ class Speculator:
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
                                      [c + len(run) for c, run in zip(plan.static.committed, runs)], plan.k, drafts_next)
         return StepOutput(runs, drafts, rebuild_s=rebuild_s, catchup_s=catchup_s)
-
-    def _owing(self, plan: StepPlan) -> list[tuple[int, int, int, int]]:
-        """(seq_id, first position, first row, rows) of the rows of a step without the rebuild whose
-        entries become owed: sequences the drafter has entries for or owes already, and under the gate's
-        fallback (owe_new) new prompts too, so that a request that starts while the gate measures or
-        holds plain decoding drafts over its prompt once it speculates."""
-        owes, entries, computed = self.catch_up.owed, self._entries, self.kv.num_computed
-        return [(r.seq_id, computed(r.seq_id) if r.prefill else r.seq.num_tokens - 1, r.t0, r.q) for r in plan.rows
-                if r.seq_id in entries or owes(r.seq_id) or (plan.owe_new and r.prefill)]
 
     # ---- the parts -----------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ def test_resume_writes_the_owed_entries() -> None:
 
 
 def test_without_the_catch_up_the_entries_are_stale(monkeypatch) -> None:
-    monkeypatch.setattr(catchup.CatchUp, "run", lambda self, runner, drafter, seq_ids: 0)
+    monkeypatch.setattr(catchup.CatchUp, "run", lambda self, runner, drafter, seq_ids, computed: 0)
     same, _ = _compare(range(3, 12), 18)
     assert not same
 
@@ -73,10 +73,10 @@ def test_owed_entries_are_capped_and_forgotten(monkeypatch) -> None:
     eng = _engine()
     rid, _ = _drive(eng, range(2, 40), 20)  # off from step 2 on: 18 plain steps owed, capped
     sid = eng._seqs[rid].seq_id
-    owed = eng.speculator.catch_up.owed(sid)
+    owed = eng.speculator.owed(sid)
     assert 5 <= owed < 5 + 2
     eng.abort(rid)
-    assert eng.speculator.catch_up.owed(sid) == 0
+    assert eng.speculator.owed(sid) == 0
 
 
 def test_speculation_with_catch_up_equals_plain() -> None:
@@ -113,6 +113,48 @@ def test_a_policy_off_from_the_start_owes_nothing() -> None:
     off, fallback = _engine("off"), _engine()
     rid_off, _ = _drive(off, range(0), 6)
     rid_fb, _ = _drive_fallback(fallback, 100, 6)
-    assert off.speculator.catch_up.owed(off._seqs[rid_off].seq_id) == 0
-    owed = fallback.speculator.catch_up.owed(fallback._seqs[rid_fb].seq_id)
+    assert off.speculator.owed(off._seqs[rid_off].seq_id) == 0
+    owed = fallback.speculator.owed(fallback._seqs[rid_fb].seq_id)
     assert owed == len(fallback._seqs[rid_fb].prompt_ids) + 5  # the prompt, then 5 decodes
+
+
+class _Seq:
+    def __init__(self, seq_id: int, num_tokens: int) -> None:
+        self.seq_id, self.num_tokens = seq_id, num_tokens
+
+
+def test_the_log_walks_each_sequence_back_to_its_recompute() -> None:
+    """The log's walk (spec/catchup.py): two sequences owe interleaved decode steps; one is preempted
+    and prefilled again from position 0 (a recompute), and its owed tokens then start there, not
+    in the steps logged before; the other owes every step since it had entries."""
+    from spec.step import Row
+
+    cu, d = catchup.CatchUp(), 4
+    pos = {1: 10, 2: 20}  # committed lengths
+    hid = lambda n, v: torch.full((n, d), float(v))  # noqa: E731 - each step's hidden states tell it apart
+    for step in range(3):  # both decode (they have entries)
+        rows = [Row(_Seq(1, pos[1] + 1), False, [0], 0, 0), Row(_Seq(2, pos[2] + 1), False, [0], 0, 1)]
+        cu.stash(rows, {1, 2}, True, hid(2, step), torch.tensor([[7], [8]]), lambda: None, pos.get)
+        pos[1] += 1
+        pos[2] += 1
+    pos[1] = 0  # 1 preempted: its KV freed, then prefilled again (6 tokens), with 2 decoding beside it
+    rows = [Row(_Seq(1, 6), True, [5] * 6, 0, 0), Row(_Seq(2, pos[2] + 1), False, [0], 0, 6)]
+    cu.stash(rows, {1, 2}, True, hid(7, 9), torch.tensor([[3], [4]]), lambda: torch.arange(7), pos.get)
+    pos[1], pos[2] = 6, pos[2] + 1
+    assert cu.owed(1, pos.get) == 6 and cu.owed(2, pos.get) == 4
+
+    class Drafter:
+        def rebuild(self, batch, hidden, toks):  # noqa: ANN001, ANN202
+            self.got = (batch, hidden[:, 0].tolist(), toks.tolist())
+
+    class Runner:
+        def history_batch(self, spans):  # noqa: ANN001, ANN202
+            return spans
+
+    dr = Drafter()
+    assert cu.run(Runner(), dr, [1, 2], pos.get) == 10
+    spans, hidden, toks = dr.got
+    assert spans == [(1, 0, 6), (2, 20, 4)]
+    assert hidden == [9.0] * 6 + [0.0, 1.0, 2.0, 9.0]  # 1: the recompute only; 2: its three steps, then its row of the last
+    assert toks == [0, 1, 2, 3, 4, 5] + [8, 8, 8, 6]
+    assert not cu.owes and cu.owed(1, pos.get) == 0
