@@ -28,7 +28,7 @@ from specialists.models.llama import (
     rms_norm,
 )
 from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, mamba2_prefill_at
-from specialists.ops.mamba2_steps import mamba2_multi_step, mamba2_verify
+from specialists.ops.mamba2_steps import fused_mamba, mamba2_multi_step, mamba2_verify
 
 __all__ = ["BambaModel"]
 
@@ -122,14 +122,17 @@ class BambaModel(DecoderBase):
             u[r, c] = x[tok]
             step_slots = [slots[b] for b in steps]
             conv, state = ssm.read(layer, step_slots)
-            # a verify keeps factors (the committed state is built at commit); a decode its one state
-            y, convs, states = (mamba2_multi_step if qmax == 1 else mamba2_verify)(p, u, conv, state)
+            # a verify keeps factors (the committed state is built at commit); a decode its one state; on
+            # CUDA both run the fused recurrence (mamba2_fused.py), which keeps every token's state
+            step = mamba2_multi_step if qmax == 1 or fused_mamba(x.device) else mamba2_verify
+            y, convs, states = step(p, u, conv, state)
             out[tok] = y[r, c]
             n = len(steps) - batch.num_pad  # padding rows (the last ones) keep nothing
             if qmax == 1:  # plain decodes: their one token is always committed, so write it now
                 ssm.write(layer, step_slots[:n], convs[:n, 0], states[:n, 0])
             else:
-                ssm.stage(layer, step_slots[:n], convs[:n], states if n == len(steps) else states.rows(n))
+                kept = states if n == len(steps) else states[:n] if isinstance(states, torch.Tensor) else states.rows(n)
+                ssm.stage(layer, step_slots[:n], convs[:n], kept)
         return out
 
     @torch.no_grad()

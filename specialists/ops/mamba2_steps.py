@@ -9,13 +9,19 @@ gated norm) are in mamba2.py.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _use_triton, segsum
 
-__all__ = ["mamba2_multi_step", "mamba2_verify", "StateFactors"]
+__all__ = ["fused_mamba", "mamba2_multi_step", "mamba2_verify", "StateFactors"]
+
+
+def fused_mamba(device: torch.device) -> bool:
+    """The fused step (mamba2_fused.py) on this device: CUDA, and CANTATA_FUSED_MAMBA not 0 (A/B runs)."""
+    return device.type == "cuda" and os.environ.get("CANTATA_FUSED_MAMBA", "1") != "0"
 
 
 @dataclass
@@ -56,9 +62,10 @@ def mamba2_multi_step(
     ssm_state: torch.Tensor,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q new tokens for each of B sequences. backend "auto": a plain decode (q = 1) on CUDA runs
-    mamba-ssm's selective_state_update (decay, input and output in one Triton kernel) when it loads;
-    "torch": the reference below.
+    """q new tokens for each of B sequences. backend "auto": on CUDA the fused step (mamba2_fused.py:
+    two Triton kernels, each token a decode's recurrence; CANTATA_FUSED_MAMBA=0: off), else a plain
+    decode (q = 1) on CUDA runs mamba-ssm's selective_state_update when it loads; "torch": the
+    reference below.
 
     u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32 ->
     (y [B, q, d], conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N] fp32), where
@@ -69,6 +76,10 @@ def mamba2_multi_step(
         state_t = exp(a_0 + ... + a_t) state_in + sum_{s<=t} exp(S[t, s]) dt_s x_s (outer) B_s
         y_t = state_t . C_t + D x_t
     """
+    if backend == "auto" and u.dim() == 3 and fused_mamba(u.device):
+        from specialists.ops.mamba2_fused import mamba2_step_fused  # two Triton kernels, a recurrence per token
+
+        return mamba2_step_fused(p, u, conv_state, ssm_state)
     st = _step_inputs(p, u, conv_state)
     Bsz, q = u.shape[:2]
     ssu = _use_triton(u.device) if q == 1 and backend == "auto" else None
