@@ -9,9 +9,10 @@ whose drafts were all accepted: the engine cuts it at EOS / stop / triggers / ma
 cache commits the kept tokens and rolls back the rest (spec/speculator.py commit).
 
 Each step is the same forward, over the same static buffers' layout, as a plain one-token decode of
-that position, so the tokens are the ones S single steps would give. Attention-only models: a hybrid's
-Mamba layers stage their per-token state for the engine's commit instead of writing it, so step j+1
-could not read step j's state.
+that position, so the tokens are the ones S single steps would give. A hybrid's Mamba layers stage
+each step's state for the engine's commit instead of writing it; step j+1 reads step j's from that
+carry (batch.ssm_carry), and the S steps' states go to the commit stacked as a verify's q states, so
+the commit keeps the state after exactly the kept tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from spec.acceptance import pack_runs
 from specialists.models.batch import ForwardBatch
+from specialists.step_result import Staged
 
 __all__ = ["multi_decode", "step_batch"]
 
@@ -38,18 +40,29 @@ def step_batch(batch: ForwardBatch, tokens: torch.Tensor, j: int, block_size: in
                    context_lens=batch.context_lens + j)
 
 
-def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """steps greedy decodes of a static one-token batch -> (tokens [Bp, steps], packed [Bp, 1 + 2 steps])
-    in spec.acceptance.pack's layout: every token kept, tokens 1..steps-1 as the fed ones."""
+def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int,
+                 ssm: Any = None) -> tuple[torch.Tensor, torch.Tensor, Staged | None]:
+    """steps greedy decodes of a static one-token batch -> (tokens [Bp, steps], packed [Bp, 1 + 2 steps]
+    in spec.acceptance.pack's layout: every token kept, tokens 1..steps-1 as the fed ones, and a hybrid's
+    Mamba states after each step, [Bp, steps, L, ...] as a static verify stages them; None without)."""
     if batch.max_query_len != 1 or not batch.static:
         raise ValueError("multi_decode takes a static batch of one token per row")
     cur = batch.input_ids  # [Bp]
-    out = []
+    out, states = [], []
+    carry = None  # a hybrid's {layer: (conv, ssm)} after the step before
     for j in range(steps):
         b = step_batch(batch, cur, j, kv.block_size)
         b.__dict__.pop("_attn_meta", None)  # each step's lengths differ: its own attention metadata
-        hidden = model.forward(b, kv, None)  # [Bp, d]
+        b.staged, b.ssm_carry = [], carry
+        hidden = model.forward(b, kv, ssm)  # [Bp, d]
+        if b.staged:
+            carry = {layer: (c[:, -1], st[:, -1]) for layer, c, st in b.staged}
+            states.append(b.staged)
         cur = model.logits(hidden).float().argmax(-1)  # [Bp], as the one-token decode graph computes it
         out.append(cur)
     tokens = torch.stack(out, dim=1)  # [Bp, steps]
-    return tokens, pack_runs(tokens)
+    staged = None
+    if states:  # per layer the steps' states side by side (q = steps), then the layers stacked
+        staged = Staged(torch.stack([torch.cat([st[i][1] for st in states], dim=1) for i in range(len(states[0]))], dim=2),
+                        torch.stack([torch.cat([st[i][2] for st in states], dim=1) for i in range(len(states[0]))], dim=2))
+    return tokens, pack_runs(tokens), staged

@@ -32,7 +32,7 @@ the step's host copy. Prefills and mixed steps run eagerly. On by default on CUD
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ class Runner:
         self.model, self.kv, self.ssm = model, kv, ssm
         self.device = cfg.device
         self.pad_batches = cfg.pad_batches
-        self.decode_steps = cfg.decode_steps if ssm is None else 1  # greedy decodes per static step (multistep.py)
+        self.decode_steps = cfg.decode_steps  # greedy decodes per static step (multistep.py; hybrids carry their state)
         self.static = cfg.static_batches  # padded decode / verify batches of one shape run static (graphs)
         # block tables wide enough for max_model_len (+ a verify's lookahead): static batches use the full width
         blocks = -(-cfg.max_model_len // kv.block_size) + 2
@@ -315,14 +315,18 @@ class Runner:
         """`steps` greedy one-token decodes of every row (a static batch) in one graph
         (specialists/multistep.py) -> (tokens [Bp, steps], packed [Bp, 2 steps]) on the device."""
         batch, _ = self.build(rows, lookahead=steps - 1)
-        if not batch.static or self.ssm is not None:
-            raise ValueError("multi-step decodes need a static batch of an attention-only model")
-        return self._multi_step(batch, steps)
+        if not batch.static:
+            raise ValueError("multi-step decodes need a static batch")
+        tokens, packed, staged = self._multi_step(batch, steps)
+        if staged is not None:  # a hybrid's Mamba states after each step, committed at the kept count (real rows)
+            B = len(rows)
+            self.ssm.stage_all([r.ssm_slot for r in rows], staged.conv[:B], staged.ssm[:B])
+        return tokens, packed
 
-    def _multi_step(self, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _multi_step(self, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
         return self.graphs.run(("multi", batch.num_seqs, steps, batch.max_context_len),
-                               lambda: multi_decode(self.model, self.kv, batch, steps))
+                               lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm))
 
     def _check_generation(self) -> None:
         if self.inputs.generation != self._generation:  # the buffers were reallocated
@@ -366,7 +370,7 @@ class Runner:
         are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
         key = ("multi", Bp, steps, width) if steps > 1 else _step_key(Bp, q, width, rebuild, masked)
-        if (not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q) or (steps > 1 and self.ssm is not None)
+        if (not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q)
                 or (masked and self.static_masks is None)):
             return False
         inp = self.inputs

@@ -5,7 +5,8 @@ CANTATA_TEST_DEVICE=cuda the steps run as one captured graph.
 Checked against the eager one-token engine on the same weights: greedy tokens identical, alone and
 batched with requests of different lengths, cut at EOS, at stop strings and at a max_tokens that S
 does not divide; the KV invariants hold after every step (the engine asserts them) and at the end;
-fewer engine steps were run; hybrids and sampled requests keep one decode per step.
+fewer engine steps were run; a hybrid carries its Mamba state from step to step; sampled requests keep one
+decode per step.
 """
 
 from __future__ import annotations
@@ -82,8 +83,28 @@ def test_multistep_cuts_at_stop_strings(reference: Engine) -> None:
     assert got.text == want.text and got.token_ids == want.token_ids
 
 
-def test_hybrids_and_sampled_requests_decode_one_token_per_step() -> None:
-    assert _engine("cpp", 4).runner.decode_steps == 1  # Mamba state is staged, not written, in a static step
+@pytest.mark.parametrize("steps", [3, 4])
+def test_a_hybrid_multistep_carries_its_mamba_state(steps: int) -> None:
+    """cpp (Mamba2 + attention): each step of a multi-step decode reads the Mamba state the step
+    before left (not the committed one), and the commit keeps the state after exactly the kept tokens:
+    the tokens equal one-token decodes', also for runs cut at EOS and at a max_tokens that S does not
+    divide, and a second request on the same slots starts from clean states."""
+    reference, engine = _engine("cpp", 1, static=False), _engine("cpp", steps)
+    assert engine.runner.decode_steps == steps
+    prompts = _prompts(engine, "cpp", 3)
+    params = [SamplingParams(max_tokens=23, ignore_eos=True), SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=30)]
+    want = _generate(reference, prompts, params)
+    before = engine.steps
+    got = _generate(engine, prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+    assert engine.steps - before <= 3 + -(-30 // steps) + 2
+    again = _generate(engine, prompts[1:2], params[:1])[0]  # slots reused
+    assert again.token_ids == _generate(reference, prompts[1:2], params[:1])[0].token_ids
+
+
+def test_sampled_requests_decode_one_token_per_step() -> None:
     engine = _engine("shell", 4)
     prompt = _prompts(engine, "shell", 1)
     before = engine.steps

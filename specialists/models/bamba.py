@@ -82,8 +82,12 @@ class BambaModel(DecoderBase):
         the layers, and the commit copies one token's states of every layer in one go). On a GPU
         the q states cost little next to the commit's ops that building one from factors takes."""
         B, q = batch.num_seqs, batch.max_query_len
-        conv = ssm.conv[:, layer].index_select(0, batch.ssm_slots)
-        state = ssm.ssm[:, layer].index_select(0, batch.ssm_slots)
+        carry = getattr(batch, "ssm_carry", None)  # a multi-step decode's state after its step before
+        if carry is not None:
+            conv, state = carry[layer]
+        else:
+            conv = ssm.conv[:, layer].index_select(0, batch.ssm_slots)
+            state = ssm.ssm[:, layer].index_select(0, batch.ssm_slots)
         y, convs, states = mamba2_multi_step(p, x.view(B, q, -1), conv, state)
         batch.staged.append((layer, convs, states))
         return y.reshape(B * q, -1)
