@@ -39,7 +39,7 @@ class _Step:
                  hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         self.no, self.ids, self.spans, self.hidden, self.tokens = no, ids, spans, hidden, tokens
 
-    def span(self, sid: int, end: int) -> tuple[int, int, int] | None:
+    def span(self, sid: int, end: int) -> tuple[int, int, int]:
         """(start, first row, rows) of sid in this step, given where its owed tokens end."""
         if self.spans is not None:
             return self.spans[sid]
@@ -60,6 +60,9 @@ class CatchUp:
 
     def forget(self, seq_id: int) -> None:
         self._since.pop(seq_id, None)
+        self._drop_idle_log()
+
+    def _drop_idle_log(self) -> None:
         if not self._since:  # nothing owed: the log's tensors go
             self._log.clear()
             self._log_tokens = 0
@@ -67,9 +70,9 @@ class CatchUp:
     def stash(self, rows: Sequence[Any], entries: set[int], owe_new: bool, hidden: torch.Tensor,
               tokens: torch.Tensor, next_tokens: Callable[[], torch.Tensor], computed: Callable[[int], int]) -> None:
         """A step that skipped the rebuild (rows: spec.step.Row in batch order). A row's tokens become
-        owed when its sequence is eligible (it has drafter entries) or owes already, and under the
-        gate's fallback (owe_new) when it is a prompt (entries: the sequences with drafter entries). tokens: the step's sampled tokens, which are the
-        tokens after each fed one when every row is a one-token decode; else next_tokens() gives them."""
+        owed when its sequence has drafter entries (in `entries`) or owes already, and under the gate's
+        fallback (owe_new) when it is a prompt. tokens: the step's sampled tokens, which are the tokens
+        after each fed one when every row is a one-token decode; else next_tokens() gives them."""
         ids = tuple(r.seq.seq_id for r in rows)
         since, no = self._since, self._no
         spans = None
@@ -133,9 +136,7 @@ class CatchUp:
             spans.append((sid, chunks[0][0], sum(n for _, n, _, _ in chunks)))
             hidden.extend(step.hidden[lo:lo + n] for _, n, step, lo in chunks)
             toks.extend(step.tokens.reshape(-1)[lo:lo + n] for _, n, step, lo in chunks)
-        if not self._since:  # nothing owed: the log's tensors go
-            self._log.clear()
-            self._log_tokens = 0
+        self._drop_idle_log()
         if not spans:
             return 0
         drafter.rebuild(runner.history_batch(spans), torch.cat(hidden), torch.cat(toks))

@@ -48,7 +48,7 @@ def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int,
     if batch.max_query_len != 1 or not batch.static:
         raise ValueError("multi_decode takes a static batch of one token per row")
     cur = batch.input_ids  # [Bp]
-    out, states = [], []
+    out, states = [], []  # states: a hybrid's Staged of each step
     carry = None  # a hybrid's {layer: (conv, ssm)} after the step before
     for j in range(steps):
         b = step_batch(batch, cur, j, kv.block_size)
@@ -57,12 +57,9 @@ def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int,
         hidden = model.forward(b, kv, ssm)  # [Bp, d]
         if b.staged:
             carry = {layer: (c[:, -1], st[:, -1]) for layer, c, st in b.staged}
-            states.append(b.staged)
+            states.append(Staged.of(b.staged))
         cur = model.logits(hidden).float().argmax(-1)  # [Bp], as the one-token decode graph computes it
         out.append(cur)
     tokens = torch.stack(out, dim=1)  # [Bp, steps]
-    staged = None
-    if states:  # per layer the steps' states side by side (q = steps), then the layers stacked
-        staged = Staged(torch.stack([torch.cat([st[i][1] for st in states], dim=1) for i in range(len(states[0]))], dim=2),
-                        torch.stack([torch.cat([st[i][2] for st in states], dim=1) for i in range(len(states[0]))], dim=2))
-    return tokens, pack_runs(tokens), staged
+    staged = Staged(torch.cat([s.conv for s in states], dim=1), torch.cat([s.ssm for s in states], dim=1)) if states else None
+    return tokens, pack_runs(tokens), staged  # staged: the steps side by side (q = steps), as a verify's

@@ -304,9 +304,7 @@ class Runner:
             mask = self.static_masks.stage(batch.num_seqs * batch.max_query_len, *masks)
             self.masked_steps += 1
         out = self._static_step(batch, rebuild, mask)
-        if out.staged is not None:  # the Mamba states of each token, committed after acceptance (real rows only)
-            B = len(rows)
-            self.ssm.stage_all([r.ssm_slot for r in rows], out.staged.conv[:B], out.staged.ssm[:B])
+        self._stage(rows, out.staged)
         T = real.num_tokens
         return StepResult(out.logits[:T], out.hidden[:T], real, out)
 
@@ -318,10 +316,14 @@ class Runner:
         if not batch.static:
             raise ValueError("multi-step decodes need a static batch")
         tokens, packed, staged = self._multi_step(batch, steps)
-        if staged is not None:  # a hybrid's Mamba states after each step, committed at the kept count (real rows)
+        self._stage(rows, staged)
+        return tokens, packed
+
+    def _stage(self, rows: list[BatchRow], staged: Staged | None) -> None:
+        """A static step's Mamba states of each token (real rows only), for the commit after acceptance."""
+        if staged is not None:
             B = len(rows)
             self.ssm.stage_all([r.ssm_slot for r in rows], staged.conv[:B], staged.ssm[:B])
-        return tokens, packed
 
     def _multi_step(self, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
@@ -348,8 +350,7 @@ class Runner:
             best = logits.argmax(-1)
             staged = None
             if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
-                staged = Staged(torch.stack([c for _, c, _ in batch.staged], dim=2),
-                                torch.stack([s for _, _, s in batch.staged], dim=2))
+                staged = Staged.of(batch.staged)
             fed = batch.input_ids.view(batch.num_seqs, -1)[:, 1:]  # [Bp, q-1] the drafts verified
             packed = pack(greedy_accept(best.view(batch.num_seqs, -1), fed), fed)
             draft_out = None if rebuild is None else rebuild(batch, hidden, best)

@@ -17,6 +17,12 @@ class Staged(NamedTuple):
     conv: torch.Tensor
     ssm: torch.Tensor
 
+    @classmethod
+    def of(cls, staged: list[tuple[int, torch.Tensor, torch.Tensor]]) -> "Staged":
+        """A forward's batch.staged (its Mamba layers in order: (layer, conv [Bp, q, ...], ssm [Bp, q, ...]))
+        stacked over the layers."""
+        return cls(torch.stack([c for _, c, _ in staged], dim=2), torch.stack([s for _, _, s in staged], dim=2))
+
 
 class StaticOutputs(NamedTuple):
     """What a static step (graph) computes over its padded batch; rewritten by each replay."""

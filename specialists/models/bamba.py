@@ -135,8 +135,9 @@ class BambaModel(DecoderBase):
             if qmax == 1:  # plain decodes: their one token is always committed, so write it now
                 ssm.write(layer, step_slots[:n], convs[:n, 0], states[:n, 0])
             else:
-                kept = states if n == len(steps) else states[:n] if isinstance(states, torch.Tensor) else states.rows(n)
-                ssm.stage(layer, step_slots[:n], convs[:n], kept)
+                if n < len(steps):  # a tensor of every token's states (the fused step) or StateFactors
+                    states = states[:n] if isinstance(states, torch.Tensor) else states.rows(n)
+                ssm.stage(layer, step_slots[:n], convs[:n], states)
         return out
 
     @torch.no_grad()
