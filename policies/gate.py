@@ -18,7 +18,9 @@ that moves to a bucket where speculation pays speculates at once, and one that c
 bucket falls back at once, without measuring again. A re-probe judges the bucket on fresh figures.
 A paired gate (a CPU engine's: the drafter entries its plain steps skip are caught up on resume,
 spec/catchup.py) takes a bucket's first plain figure before the bucket's first speculative step, so a
-losing bucket never speculates past its window. A CPU engine reports no step within SETTLE_STEPS of a
+losing bucket never speculates past its window. Any gate judges a bucket at a baseline's end when the
+bucket has both figures: a GPU's bucket speculates first (its window), then takes the baseline, and a
+losing bucket goes straight to its slow verdict, without a second window of speculative steps. A CPU engine reports no step within SETTLE_STEPS of a
 prefill, and while a slow verdict holds one step in HELD_EVERY.
 """
 
@@ -166,7 +168,7 @@ class SpeculationGate:
         self._reprobe: dict[int, float] = {}  # bucket -> the cooldown of its expired slow verdict
         self._since_plain: dict[int, int] = {}  # bucket -> speculative steps since its plain figure was taken
         # paired: a CPU engine's gate (its plain steps owe the drafter's entries, caught up on resume; not with
-        # multi-step graphs): a bucket's plain figure comes first, and a baseline's end judges at once
+        # multi-step graphs): a bucket's plain figure comes first
         self.paired = paired
         self._timed = False  # the engine reports step times (observe_time): a bucket's plain figure comes first
 
@@ -203,7 +205,7 @@ class SpeculationGate:
                     return "fallback"
                 if self._reason != "slow" and not self._fallback_over(gating, running_batch):
                     return "fallback"
-                if self._reason == "baseline" and self.paired and self._judge(_bucket(running_batch)):
+                if self._reason == "baseline" and self._judge(_bucket(running_batch)):
                     return "fallback"
                 self._window = RollingAcceptance(gating.window)
                 self._enter("on", "probe")

@@ -157,10 +157,12 @@ class Engine:
 
     def capture_graphs(self, max_rows: int | None = None, progress: bool = False) -> int:
         """Captures the CUDA graphs of the policy in force (every batch bucket up to max_rows, default
-        max_num_seqs, and every context width); other shapes, e.g. after a switch to another K, are
-        captured on first use. Returns how many were captured (0 on CPU)."""
+        max_num_seqs, and every context width), its speculative steps too under mode off when a drafter
+        is loaded (a switch to on or auto is live: a shape captured on first use cost a request 3-13 ms,
+        bench/RESULTS.md); other shapes, e.g. after a switch to another K, are captured on first use.
+        Returns how many were captured (0 on CPU)."""
         policy = self.gate.policy
-        spec = self.drafter is not None and policy.mode != "off"
+        spec = self.drafter is not None
         ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())})
         return sum(self.speculator.capture_graphs(k if spec else 0, spec, max_rows or self.cfg.max_num_seqs, progress)
                    for k in (ks if spec else [0]))  # every K auto may pick
