@@ -33,7 +33,9 @@ With --spec-k two identical engines are loaded, both with the drafter, and swap 
 batch (and round): two instances of one engine in one process can differ in speed by up to ~23% on a
 CPU (the first one made was the faster, 2026-11-26), which a fixed plain / speculative pair counted
 as speculation's gain or loss. --repeat R times every batch R times; speedup_after_first_round leaves
-out the first, where the auto gate is still judging.
+out the first, where the auto gate is still judging. With --policy auto: `gates` (each engine's
+speed-up and slow verdicts per bucket) and `step_times` (both engines' timed steps by what the gate
+decided, "off" the plain side: steps, seconds, tokens, us per token; where auto's time went).
 
 prefix_hit_tokens (and spec_prefix_hit_tokens) count the prompt tokens the timed run took from the
 prefix cache. With prompts that share a long head (bench/data/cpp/shared_prefix.jsonl: one system
@@ -228,9 +230,7 @@ def _load(args: argparse.Namespace) -> Sides:
                                       policy=pol, decode_steps=args.decode_steps, quantization=args.quantization,
                                       draft_vocab_size=args.draft_vocab, draft_min_confidence=args.draft_min_confidence)
 
-    # with --spec-k two identical engines, each running plain and speculative batches in turn: two
-    # instances of one engine in a process differ by up to 23% in speed on a CPU (the first made was
-    # faster here, build and general, 2026-11-26), which a fixed plain / speculative pair took for speculation's
+    # with --spec-k two identical engines, each running both sides in turn (the module's docstring says why)
     try:
         engine, spec_engine = (load(off), None) if policy is None else (load(policy), load(policy))
     except MissingDrafterError as exc:  # lesson 1: never speculate with untrained drafter weights
@@ -266,9 +266,8 @@ def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> Non
     then every batch's prefill and decode shapes, both sides (a kernel's first call with a new shape
     may compile it; the side that met it first in the timed run would pay). On reversed prompts, so
     that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)."""
-    for eng in (sides.engine, sides.spec_engine):
-        if eng is not None:
-            eng.capture_graphs()
+    for eng in (e for e in (sides.engine, sides.spec_engine) if e is not None):
+        eng.capture_graphs()  # its speculative shapes too, under mode off: either engine runs either side
     warm_n = min(sides.n, WARMUP_TOKENS)
     for batch in tqdm(batches, desc="warm-up", unit="batch", file=sys.stderr):
         warm = [p[::-1] for p in batch]
@@ -282,6 +281,7 @@ def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> Non
         sides.engine.totals = sides.spec_engine.totals = type(sides.engine.totals)()  # count the timed run only
         for eng in (sides.engine, sides.spec_engine):  # the gates judge afresh, as after Engine.warmup
             eng.gate.set_policy(sides.policy, fresh=True)
+            eng.step_times = type(eng.step_times)()
     if not skip_hf:
         sides.run_hf([p[::-1] for p in batches[0]], warm_n)
     _sync(sides.device)
@@ -348,8 +348,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
         spec_tok_s = sum(len(o) for o in spec) / t_spec if t_spec > 0 else 0.0
         tot = sides.spec_engine.totals
         result.update(
-            spec_k=args.spec_k, acceptance=args.acceptance, policy=args.policy,
-            spec_tok_s=round(spec_tok_s, 2),
+            spec_k=args.spec_k, acceptance=args.acceptance, policy=args.policy, spec_tok_s=round(spec_tok_s, 2),
             speedup=round(spec_tok_s / engine_tok_s, 4) if engine_tok_s > 0 else None,
             identical_spec=round(sum(int(a == b) for a, b in zip(ours, spec)) / num_prompts, 4),
             mean_accepted=round(tot.mean_accepted, 4),
@@ -359,6 +358,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
         if args.policy == "auto":  # what each engine's gate measured (plain / speculative per bucket) and decided
             result["gates"] = [{k: e.gate.snapshot()[k] for k in ("measured_speedup", "slow_buckets", "fallbacks")}
                                for e in (sides.engine, sides.spec_engine)]
+            result["step_times"] = sides.engine.step_times.merged(sides.spec_engine.step_times).as_dict()
     result["prefix_hit_tokens"] = prefix_hits
     return result, t_engine, t_hf, prefix_hits
 

@@ -18,9 +18,8 @@ that moves to a bucket where speculation pays speculates at once, and one that c
 bucket falls back at once, without measuring again. A re-probe judges the bucket on fresh figures.
 A paired gate (a CPU engine's: the drafter entries its plain steps skip are caught up on resume,
 spec/catchup.py) takes a bucket's first plain figure before the bucket's first speculative step, so a
-losing bucket never speculates past its window. Any gate judges a bucket at a baseline's end when the
-bucket has both figures: a GPU's bucket speculates first (its window), then takes the baseline, and a
-losing bucket goes straight to its slow verdict, without a second window of speculative steps. A CPU engine reports no step within SETTLE_STEPS of a
+losing bucket never speculates past its window. A baseline's end judges a bucket with both figures
+(a GPU's bucket speculates first: a losing one gets its verdict without a second window). A CPU engine reports no step within SETTLE_STEPS of a
 prefill, and while a slow verdict holds one step in HELD_EVERY.
 """
 
@@ -319,8 +318,7 @@ class SpeculationGate:
             self._reprobe.pop(b, None)
         return False
 
-    def speedup(self, batch: int = 1) -> float | None:
-        """Plain over speculative seconds per token at this batch size's bucket (None until both)."""
+    def speedup(self, batch: int = 1) -> float | None:  # plain over speculative s/token at batch's bucket
         with self._lock:
             return self._speedup(_bucket(batch))
 

@@ -110,3 +110,33 @@ class RequestStats(SpecStats):
         out = super().as_dict()
         out.update(queue_s=self.queue_s, ttft_s=self.ttft_s)
         return out
+
+
+class StepTimes:
+    """An engine's steps by what its gate decided ("on", "off", "fallback:<reason>"): steps, wall
+    seconds and tokens emitted. Where an `auto` run's time went: the speculative steps that measured
+    a losing bucket, its baseline, the held fallback (bench.decode --policy auto reports them)."""
+
+    def __init__(self) -> None:
+        self.by: dict[str, list[float]] = {}
+
+    def add(self, key: str, seconds: float, tokens: int) -> None:
+        row = self.by.setdefault(key, [0, 0.0, 0])
+        row[0] += 1
+        row[1] += seconds
+        row[2] += tokens
+
+    def merged(self, other: StepTimes) -> StepTimes:
+        out = StepTimes()
+        for src in (self, other):
+            for key, (n, s, t) in src.by.items():
+                row = out.by.setdefault(key, [0, 0.0, 0])
+                row[0] += n
+                row[1] += s
+                row[2] += t
+        return out
+
+    def as_dict(self) -> dict:
+        return {key: {"steps": int(n), "seconds": round(s, 6), "tokens": int(t),
+                      "us_per_token": round(1e6 * s / t, 2) if t else None}
+                for key, (n, s, t) in sorted(self.by.items())}

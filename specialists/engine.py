@@ -28,7 +28,7 @@ from policies.gate import HELD_EVERY, SETTLE_STEPS, SpeculationGate
 from policies.policy import SpeculationPolicy
 from spec.acceptance import TypicalParams
 from spec.speculator import Speculator
-from spec.stats import SpecStats
+from spec.stats import SpecStats, StepTimes
 from spec.triggers import TriggerSet
 from specialists.base_checkpoint import resolve_weights
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
@@ -92,6 +92,7 @@ class Engine:
         self.eos_ids = eos
         self.triggers = TriggerSet(frozenset(eos), ids["<tool_call>"], ids["</tool_call>"])
         self.totals = SpecStats()
+        self.step_times = StepTimes()
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -138,8 +139,7 @@ class Engine:
         self.gate.set_policy(policy)
 
     def warmup(self) -> None:
-        """Captures the CUDA graphs (on a GPU), runs the prefill, the 1-token decode and (with a
-        drafter) the (K+1)-token verify shapes once each, then marks the engine ready. The policy in force is restored, its window fresh."""
+        """CUDA graphs (on a GPU), then the prefill, 1-token decode and (with a drafter) (K+1)-token verify once each; ready after. The policy in force is restored, its window fresh."""
         self.capture_graphs(progress=True)
         policy = self.gate.policy
         ids = [self.tokenizer.convert_tokens_to_ids("<|im_start|>")] * 4
@@ -156,19 +156,15 @@ class Engine:
         self.ready = True
 
     def capture_graphs(self, max_rows: int | None = None, progress: bool = False) -> int:
-        """Captures the CUDA graphs of the policy in force (every batch bucket up to max_rows, default
-        max_num_seqs, and every context width), its speculative steps too under mode off when a drafter
-        is loaded (a switch to on or auto is live: a shape captured on first use cost a request 3-13 ms,
-        bench/RESULTS.md); other shapes, e.g. after a switch to another K, are captured on first use.
-        Returns how many were captured (0 on CPU)."""
-        policy = self.gate.policy
-        spec = self.drafter is not None
-        ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())})
-        return sum(self.speculator.capture_graphs(k if spec else 0, spec, max_rows or self.cfg.max_num_seqs, progress)
-                   for k in (ks if spec else [0]))  # every K auto may pick
+        """CUDA graphs of the policy's steps (every batch bucket up to max_rows, default max_num_seqs, every
+        context width), the speculative ones under mode off too (a switch is live; a graph captured in
+        use cost a step 3-13 ms); others (another K) on first use. -> how many (0 on CPU)."""
+        policy, spec = self.gate.policy, self.drafter is not None
+        ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())}) if spec else [0]
+        return sum(self.speculator.capture_graphs(k, spec, max_rows or self.cfg.max_num_seqs, progress) for k in ks)  # every K auto may pick
 
     def metrics(self) -> dict:
-        return {**self.stats, **self.totals.as_dict(), **self._grammars.stats(), "gate": self.gate.snapshot()}
+        return {**self.stats, **self.totals.as_dict(), **self._grammars.stats(), "gate": self.gate.snapshot(), "step_times": self.step_times.as_dict()}
 
     @property
     def stats(self) -> dict:
@@ -225,6 +221,7 @@ class Engine:
         t_step = time.perf_counter()
         batch = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the step's, prefills admitted
         status = self.gate.decide(batch) if self.drafter is not None else "off"
+        decided = f"fallback:{self.gate.reason}" if status == "fallback" else status
         policy = self.gate.policy
         rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"  # owed entries: caught up
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
@@ -266,6 +263,7 @@ class Engine:
             seconds = time.perf_counter() - t_step - out.catchup_s
             self.gate.observe_time(status, len(rows), seconds, sum(kept), max(r.k for r in rows))
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
+        self.step_times.add(decided, time.perf_counter() - t_step, sum(kept))
         if self.cfg.check_invariants:
             self._check_invariants()
         self.steps += 1

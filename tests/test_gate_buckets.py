@@ -86,6 +86,18 @@ def test_a_paired_baseline_is_plain_and_judged_at_its_end() -> None:
     assert gate.snapshot()["reason"] == "slow" and gate.snapshot()["slow_buckets"] == {8: 10.0}
 
 
+def test_an_unpaired_bucket_is_judged_at_its_baselines_end() -> None:
+    """A GPU's gate (not paired) speculates first: its window (2 steps of 3 drafts), then the baseline
+    (4 plain steps), then the verdict at once: a losing bucket speculates no more (no second window),
+    a winning one goes on."""
+    for spec_s, verdict in ((0.6, "fallback"), (0.25, "on")):
+        gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16,
+                                           baseline_steps=4), Clock())
+        seen = timed_steps(gate, 12, spec_s=spec_s, plain_s=0.1, batch=8)
+        assert seen[:6] == ["on"] * 2 + ["fallback"] * 4 and seen[6:] == [verdict] * 6
+        assert gate.snapshot()["reason"] == ("slow" if verdict == "fallback" else "probe")
+
+
 def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds() -> None:
     """The engine reports no step time within SETTLE_STEPS of a prefill (the caches refill there:
     a baseline taken there judged a losing batch faster speculating), and while a slow verdict holds
@@ -111,9 +123,14 @@ def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds()
         eng.gate._slow.update({b: (1e12, 1e12) for b in (1, 2, 4)})
         eng.gate._enter("fallback", "slow")
     timed.clear()
+    emitted_before = sum(v["tokens"] for v in eng.metrics()["step_times"].values())
     for _ in range(24):
         eng.step()
     assert [st for _, st in timed] == ["fallback"] * 3 and all(s % HELD_EVERY == 0 for s, _ in timed)
+    step_times = eng.metrics()["step_times"]  # every step by what the gate decided: the held ones as such
+    assert step_times["fallback:slow"]["steps"] == 24 and step_times["fallback:slow"]["tokens"] == 24
+    assert sum(v["steps"] for v in step_times.values()) == eng.steps
+    assert sum(v["tokens"] for v in step_times.values()) - emitted_before == 24
     eng.gate.paired = False  # a GPU's gate: no settle, but a step that prefills is never timed
     eng.gate.set_policy(eng.gate.policy, fresh=True)
     eng.step()  # speculating again: the running request drafts in the steps below
