@@ -50,69 +50,25 @@ import argparse
 import json
 import logging
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from bench import prefix_ttft
 from bench.common import checkpoint_id, device_name, git_commit, prompt_text, read_jsonl, record
 from bench.decode_shape import add_arguments, bound_figures, prepare_shape, shape_names
+from bench.decode_sides import Sides, timed, timed_engines, warm_up
 
 log = logging.getLogger("bench.decode")
 
 PROMPT_TOKENS = 256
-WARMUP_TOKENS = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy, EOS ignored: exactly max_new_tokens ids per prompt, in prompt order."""
-    from specialists.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    return [list(o.token_ids) for o in engine.generate(prompts, params, use_tqdm=False)]
-
-
-@torch.no_grad()
-def hf_generate(hf, prompts: list[list[int]], max_new_tokens: int, pad_id: int, device: str) -> list[list[int]]:
-    """One left-padded batch (unpadded when all prompts have one length, e.g. B = 1); greedy, EOS ignored."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                      min_new_tokens=0, do_sample=False, pad_token_id=pad_id)
-    return [row.tolist() for row in out[:, width:].cpu()]
-
-
-def timed(fn, batches: list[list[list[int]]], device: str, desc: str, quiet: bool = False) -> tuple[list[list[int]], float]:
-    """Runs fn on every batch; returns the outputs in order and the summed wall time of the calls."""
-    outs: list[list[int]] = []
-    total = 0.0
-    for batch in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, disable=quiet):
-        _sync(device)
-        t0 = time.perf_counter()
-        res = fn(batch)
-        _sync(device)
-        total += time.perf_counter() - t0
-        outs.extend(res)
-    return outs, total
 
 
 class UsageError(ValueError):
@@ -162,40 +118,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers (hf_tok_s, ratio, identical: null)")
     add_arguments(parser)
     return parser
-
-
-@dataclass
-class Sides:
-    """What a run compares: the engine, its speculative twin (with --spec-k) and transformers, each
-    generating `n` new tokens per prompt."""
-
-    engine: Any
-    spec_engine: Any | None
-    hf: Any
-    pad_id: int
-    device: str
-    n: int
-    policy: Any = None  # the speculative side's policy (with --spec-k: both engines can take it)
-    repeat_differs: bool = False  # a later --repeat round gave other tokens than the first
-    later_ratio: float | None = None  # plain / speculative time over the rounds after the first
-
-    def side(self, eng: Any, speculate: bool) -> None:
-        """With --spec-k both engines have the drafter: either takes either side. A mode toggle of one
-        policy, so the gate keeps what it measured (another policy would start it afresh)."""
-        eng.set_policy(self.policy if speculate else self.policy.model_copy(update={"mode": "off"}))
-
-    def run_as(self, eng: Any, speculate: bool, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
-        self.side(eng, speculate)
-        return engine_generate(eng, batch, self.n if max_new is None else max_new)
-
-    def run_engine(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
-        return engine_generate(self.engine, batch, self.n if max_new is None else max_new)
-
-    def run_spec(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
-        return engine_generate(self.spec_engine, batch, self.n if max_new is None else max_new)
-
-    def run_hf(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
-        return hf_generate(self.hf, batch, self.n if max_new is None else max_new, self.pad_id, self.device)
 
 
 def _check_model(args: argparse.Namespace) -> None:
@@ -261,73 +183,13 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
-def _warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> None:
-    """CUDA graphs of every decode / verify shape, both engines, before anything is timed (0 on CPU);
-    then every batch's prefill and decode shapes, both sides (a kernel's first call with a new shape
-    may compile it; the side that met it first in the timed run would pay). On reversed prompts, so
-    that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)."""
-    for eng in (e for e in (sides.engine, sides.spec_engine) if e is not None):
-        eng.capture_graphs()  # its speculative shapes too, under mode off: either engine runs either side
-    warm_n = min(sides.n, WARMUP_TOKENS)
-    for batch in tqdm(batches, desc="warm-up", unit="batch", file=sys.stderr):
-        warm = [p[::-1] for p in batch]
-        if sides.spec_engine is None:
-            sides.run_engine(warm, warm_n)
-            continue
-        for eng in (sides.engine, sides.spec_engine):  # each engine both ways: either runs either side
-            sides.run_as(eng, False, warm, warm_n)
-            sides.run_as(eng, True, warm, warm_n)
-    if sides.spec_engine is not None:
-        sides.engine.totals = sides.spec_engine.totals = type(sides.engine.totals)()  # count the timed run only
-        for eng in (sides.engine, sides.spec_engine):  # the gates judge afresh, as after Engine.warmup
-            eng.gate.set_policy(sides.policy, fresh=True)
-            eng.step_times = type(eng.step_times)()
-    if not skip_hf:
-        sides.run_hf([p[::-1] for p in batches[0]], warm_n)
-    _sync(sides.device)
-
-
-def _timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | None,
-                   repeat: int = 1) -> tuple[list, list, float, float]:
-    """The engine's outputs and time, and the speculative engine's ([] and 0.0 without one); with
-    repeat, the mean time of a round."""
-    if sides.spec_engine is None:
-        ours, t_engine = timed(sides.run_engine, batches, sides.device, "engine")
-        return ours, [], t_engine, 0.0
-    ours, spec, t_engine, t_spec = [], [], 0.0, 0.0  # side by side, batch after batch: noise hits both alike
-    engines, later = (sides.engine, sides.spec_engine), [0.0, 0.0]  # later: the rounds after the first
-    for i, batch in enumerate(tqdm(batches, desc=f"engine / speculative K={spec_k}", unit="batch", file=sys.stderr)):
-        first = None
-        for r in range(repeat):
-            a, b = engines if (i + r) % 2 == 0 else engines[::-1]  # the engines swap sides every other run
-            runs = {}  # and which side runs first swaps too: neither side always runs second
-            for speculate in ((False, True) if (i // 2 + r) % 2 == 0 else (True, False)):
-                runs[speculate] = timed(lambda x: sides.run_as(b if speculate else a, speculate, x), [batch],
-                                        sides.device, "", quiet=True)
-            (plain, dt), (out, dt_spec) = runs[False], runs[True]
-            t_engine += dt
-            t_spec += dt_spec
-            later[0] += dt if r else 0.0
-            later[1] += dt_spec if r else 0.0
-            if first is None:
-                first = (plain, out)
-                ours.extend(plain)
-                spec.extend(out)
-            elif (plain, out) != first:  # a later round must give the first round's tokens
-                sides.repeat_differs = True
-    sides.later_ratio = later[0] / later[1] if later[1] > 0 else None
-    sides.side(sides.engine, False)  # the roles back (later probes run engine plain, spec_engine speculating)
-    sides.side(sides.spec_engine, True)
-    return ours, spec, t_engine / repeat, t_spec / repeat
-
-
 def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namespace,
              num_prompts: int) -> tuple[dict, float, float, int]:
     """The result line's figures; also the engine's and transformers' seconds and the prefix hits."""
     engines = [e for e in (sides.engine, sides.spec_engine) if e is not None]
     hits = lambda: sum(e.stats.get("prefix_hit_tokens", 0) for e in engines) // len(engines)  # noqa: E731 - a side's
     hits_before = hits()
-    ours, spec, t_engine, t_spec = _timed_engines(sides, batches, args.spec_k, args.repeat)
+    ours, spec, t_engine, t_spec = timed_engines(sides, batches, args.spec_k, args.repeat)
     lens = iter(len(o) for o in ours)  # the longest output of each batch: the decode steps one sequence waited
     args.token_steps = sum(max(next(lens) for _ in batch) for batch in batches)
     prefix_hits = args.spec_prefix_hits = hits() - hits_before  # both engines ran both sides alike
@@ -356,7 +218,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
             spec_prefix_hit_tokens=args.spec_prefix_hits,
         )
         if args.policy == "auto":  # what each engine's gate measured (plain / speculative per bucket) and decided
-            result["gates"] = [{k: e.gate.snapshot()[k] for k in ("measured_speedup", "slow_buckets", "fallbacks")}
+            result["gates"] = [{k: sides.gate_of(e, True).snapshot()[k] for k in ("measured_speedup", "slow_buckets", "fallbacks")}
                                for e in (sides.engine, sides.spec_engine)]
             result["step_times"] = sides.engine.step_times.merged(sides.spec_engine.step_times).as_dict()
     result["prefix_hit_tokens"] = prefix_hits
@@ -377,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     batches = _batches(prompts, args.batch_size)
-    _warm_up(sides, batches, args.skip_hf)
+    warm_up(sides, batches, args.skip_hf)
     result, t_engine, t_hf, prefix_hits = _measure(sides, batches, args, len(prompts))
     if args.shape or args.bound or args.profile is not None:
         result.update(bound_figures(sides, batches, args, t_engine, args.token_steps))

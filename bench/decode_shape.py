@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from bench.decode_sides import timed
 from bench.shapes import SHAPES, SMALL_SHAPES, build_checkpoint, parameter_count, shape_config, weight_bytes
 from bench.step_profile import profile_decode
 from bench.step_timing import StepProbe, decode_records, measure_bandwidth, median_or_none
@@ -142,8 +143,6 @@ def _one_step_figures(sides: Any, batches: list, args: argparse.Namespace, t_eng
     steps = sides.engine.runner.decode_steps
     out: dict = {"decode_steps": steps}
     if steps > 1 and tokens:
-        from bench.decode import timed  # bench.decode imports this module
-
         with one_token_steps(sides.engine.runner):
             _, t_one = timed(sides.run_engine, batches, args.device, "", quiet=True)
         out.update(ms_per_token_one_step=round(1e3 * t_one / tokens, 4), multistep_speedup=_ratio(t_one, t_engine))
