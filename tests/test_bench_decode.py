@@ -104,6 +104,34 @@ def test_repeat_rounds_swap_engines_and_agree(tmp_path: Path, capsys) -> None:
     row = json.loads(results.read_text().splitlines()[-1])
     assert row["repeat"] == 2 and row["repeat_identical"] is True and row["identical_spec"] == 1.0
     assert row["speedup_after_first_round"] > 0 and len(row["gates"]) == 2
+    # both engines' timed steps by the gate's decision: the plain side "off", the speculative side not
+    times = row["step_times"]
+    assert times["off"]["tokens"] == 2 * 2 * 10 and sum(v["tokens"] for k, v in times.items() if k != "off") == 2 * 2 * 10
+
+
+def test_sides_swap_whole_gates() -> None:
+    """Either engine runs either side with a gate of its own for each: the speculating gate comes back
+    as it was left (its window, status and verdicts; a policy toggle would restart its window and probe
+    again after every swap), the plain one is mode off, and speculative graphs need no toggle."""
+    from bench.decode_sides import Sides
+    from policies.policy import SpeculationPolicy
+    from specialists.engine import Engine
+
+    policy = SpeculationPolicy(mode="auto", num_speculative_tokens=3)
+    eng = Engine.from_pretrained(str(BUILD), policy=policy, max_num_seqs=2)
+    eng.set_policy(policy.model_copy(update={"mode": "off"}))  # as bench.decode leaves its first engine
+    sides = Sides(eng, eng, None, 0, "cpu", 8, policy)
+    sides.side(eng, True)
+    spec_gate = eng.gate
+    assert spec_gate.policy.mode == "auto"
+    spec_gate.observe(3, 0)  # something in its window
+    with spec_gate._lock:
+        spec_gate._enter("fallback", "low_acceptance")
+    sides.side(eng, False)
+    assert eng.gate is not spec_gate and eng.gate.policy.mode == "off" and eng.gate.decide(1) == "off"
+    sides.side(eng, True)
+    assert eng.gate is spec_gate and spec_gate.status == "fallback" and spec_gate.reason == "low_acceptance"
+    assert spec_gate.snapshot()["window_drafted"] == 3
 
 
 def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
