@@ -339,20 +339,21 @@ class Speculator:
         n = 0
         masked = getattr(self.runner, "static_masks", None) is not None  # guided steps: their own graphs
         for b, w in tqdm(self.runner.graph_shapes(max_rows), desc="CUDA graphs", unit="shape", disable=not progress):
+            kb = min(k, self.runner.max_drafts(b))  # the K a step of this bucket verifies (Engine.step)
             n += self.runner.capture(b, 1, w, post)
             if masked:
-                n += self.runner.capture(b, 1, w, post, masked=True) + (self.runner.capture(b, 1 + k, w, post, masked=True) if k else 0)
+                n += self.runner.capture(b, 1, w, post, masked=True) + (self.runner.capture(b, 1 + kb, w, post, masked=True) if kb else 0)
             if self.runner.decode_steps > 1:  # specialists/multistep.py: plain steps, and auto's fallback steps
                 n += self.runner.capture(b, 1, w, steps=self.runner.decode_steps)
-            if k:
-                n += self.runner.capture(b, 1 + k, w, post)
-                n += self.drafter.capture_chain(b, k, w)
+            if kb:
+                n += self.runner.capture(b, 1 + kb, w, post)
+                n += self.drafter.capture_chain(b, kb, w)
                 if self.mask_kernel is not None:  # the drafter's chain under a grammar, a graph per depth
-                    n += self.drafter.capture_guided(b, k, w, bitmask_words(self.vocab_size))
-                outputs = self.runner.static_outputs(b, 1 + k, w, post)
+                    n += self.drafter.capture_guided(b, kb, w, bitmask_words(self.vocab_size))
+                outputs = self.runner.static_outputs(b, 1 + kb, w, post)
                 if self.ahead and post is not None and outputs is not None:
                     ctx, tables = self.runner.static_views(b)
-                    n += self.drafter.capture_chain_ahead(outputs.draft_out, outputs.packed, ctx, tables, k, w)
+                    n += self.drafter.capture_chain_ahead(outputs.draft_out, outputs.packed, ctx, tables, kb, w)
         return n
 
     def commit(self, rows: list[Row], out: StepOutput, kept: list[int], rebuilt: bool) -> None:

@@ -225,7 +225,7 @@ class Engine:
         policy = self.gate.policy
         rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"  # owed entries: caught up
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
-        k = self.gate.k_for(batch) if status == "on" else 0
+        k = min(self.gate.k_for(batch), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
         self._plan_drafts(k, multi)
         step = sched.schedule()
         if step.empty:

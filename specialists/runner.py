@@ -44,7 +44,8 @@ from specialists.multistep import multi_decode
 from specialists.options import EngineConfig
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
-from specialists.staging import BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width
+from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
+                                 exact_rows)
 from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
 from state.transfer import device_ints
@@ -92,20 +93,18 @@ class Runner:
         self.pad_batches = cfg.pad_batches
         self.decode_steps = cfg.decode_steps  # greedy decodes per static step (multistep.py; hybrids carry their state)
         self.static = cfg.static_batches  # padded decode / verify batches of one shape run static (graphs)
-        # block tables wide enough for max_model_len (+ a verify's lookahead): static batches use the full width
         blocks = -(-cfg.max_model_len // kv.block_size) + 2
-        # room for the largest step the scheduler forms: a bigger prefill would reallocate the buffers
-        # and drop every captured graph (recaptured on the request path: ~30 ms a step at 1B, batch 8)
+        # block tables for max_model_len (+ a verify's lookahead); room for the largest step the scheduler forms
+        # (a bigger prefill would reallocate the buffers and drop every graph: ~30 ms a step at 1B, batch 8)
         self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len),
                                    max_seqs=max(16, bucket_size(cfg.max_num_seqs)), max_blocks=max(64, blocks))
         self.graphs = GraphCache(cfg.cuda_graphs)
-        # guided static steps mask their logits in the step (its graph) where the Triton kernels run
-        self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None
+        self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None  # guided steps
         self._generation = self.inputs.generation
-        self.padded_steps = 0  # steps that ran with padding rows (for tests and metrics)
-        self.static_steps = 0  # steps that ran as static batches (graphs on CUDA)
-        self.masked_steps = 0  # of those, steps that masked their logits with grammars in the step
+        # steps with padding rows, as static batches (graphs on CUDA), of those masked by grammars in the step
+        self.padded_steps = self.static_steps = self.masked_steps = 0
         self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
+        self.exact_rows = exact_rows(self.device, model.lm_head.dtype)  # rows a step's products stay row-invariant
 
     # ---- shapes ------------------------------------------------------------------------------
 
@@ -128,6 +127,9 @@ class Runner:
     def static_shape(self, num_rows: int, max_context: int) -> tuple[int, int]:
         """(padded rows, attention width) of a static batch of num_rows rows, the longest context max_context."""
         return bucket_size(num_rows), context_width(max_context, self.max_context_width)
+
+    def max_drafts(self, num_rows: int) -> int:  # the most drafts a row may verify, output exact (staging.exact_rows)
+        return max(0, self.exact_rows // bucket_size(num_rows) - 1)
 
     def static_batch(self, num_rows: int, q: int) -> bool:
         """Whether a batch of num_rows decode / verify rows of q tokens each runs static (a graph)."""

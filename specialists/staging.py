@@ -80,3 +80,15 @@ def context_width(n: int, cap: int) -> int:
     while w < n:
         w *= 2
     return min(w, cap)
+
+
+def exact_rows(device: str | torch.device, dtype: torch.dtype) -> int:
+    """Rows a static step may have (padding included) with every product giving a row the same bits at
+    any row count, so that a verify computes exactly its decodes' tokens: on CUDA in half precision
+    decode_fused.MAX_ROWS (its `mma` products; above, cuBLAS picks kernels by the row count); elsewhere
+    no limit (fp32: see ops/linear.py)."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return 1 << 30
+    from specialists.ops.decode_fused import MAX_ROWS  # Triton: a GPU install has it
+
+    return MAX_ROWS

@@ -87,3 +87,47 @@ def test_prefill_attention_plans_nothing_per_length(checkpoint: Path) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.generate([list(range(5, 5 + 77))], SamplingParams(max_tokens=2, ignore_eos=True))
     assert not [e.name for e in prof.events() if "cudnn" in e.name.lower()]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_rows_products_do_not_depend_on_the_row_count() -> None:
+    """exact_linear (the lm_head, the Mamba layers' in/out products) gives a row the same bits among 8
+    rows as among 48 or 64 (a verify at batch 8, K=5 or 7, against its decodes); cuBLAS picks its
+    kernel by the row count."""
+    from specialists.ops.linear import exact_linear
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for n, k in ((4096, 256), (1160, 256), (256, 512), (49152, 576)):
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        x = torch.randn(64, k, device="cuda", generator=g).to(torch.bfloat16)
+        small = exact_linear(x[:8], w)
+        for m in (48, 64):
+            assert torch.equal(exact_linear(x[:m], w)[:8], small), (n, k, m)
+
+
+@pytest.mark.parametrize("name", ["build", "cpp"])
+def test_speculative_equals_plain_at_batch_8_and_16_in_bf16(name: str) -> None:
+    """The shipped toys (a Llama, a Bamba hybrid) in bf16 at batch 8 and 16 with K=5: a verify of 48 rows
+    against decodes of 8 gave 2-3 of 32 prompts other greedy tokens while products above 32 rows went to
+    cuBLAS; at batch 16, K is capped to 3 (64 rows: Runner.max_drafts) and stays exact."""
+    from bench.common import read_jsonl
+
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=16)
+    path = ROOT / "deploy" / "models" / name
+    plain = Engine.from_pretrained(path, policy=SpeculationPolicy(mode="off"), **kw)
+    spec = Engine.from_pretrained(path, policy=SpeculationPolicy(mode="on", num_speculative_tokens=5), **kw)
+    assert [spec.runner.max_drafts(b) for b in (1, 8, 9, 16, 32, 64)] == [63, 7, 3, 3, 1, 0]
+    tok = plain.tokenizer
+    rows = read_jsonl(ROOT / "bench" / "data" / name / "prompts.jsonl", 32)
+    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"][-200:] for r in rows]
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    ks = {8: set(), 16: set()}
+    for b in (8, 16):
+        for i in range(0, len(prompts), b):
+            batch = prompts[i:i + b]
+            outs = spec.generate(batch, params)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(batch, params)]
+            ks[b].update(k for o in outs for k in o.stats.ks)
+    assert max(ks[8]) == 5 and max(ks[16]) == 3  # batch 8 verified K=5, batch 16 at most 3

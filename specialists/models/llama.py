@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from specialists.models.batch import ForwardBatch
 from specialists.ops.attention import HALF, paged_attention, use_static_kernel, write_kv
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from specialists.ops.linear import linear
+from specialists.ops.linear import exact_linear, linear
 
 __all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block",
            "fused_step", "fused_attention", "fused_mlp"]
@@ -175,15 +175,14 @@ def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T
 
 def fused_step(h: torch.Tensor) -> str | None:
     """The fused path for a CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes,
-    verifies), or None: "mma" for at most MMA_ROWS rows (a row's products are the same bits at any row
-    count: a verify computes its decodes' products), else "gemm" (specialists/ops/decode_fused.py)."""
+    verifies), or None: "mma", whose products give a row the same bits at any row count (a verify
+    computes its decodes' products). cuBLAS (the former "gemm" path above 32 rows) picks its kernel by
+    the row count: bf16 toys at batch 8, K=5 (48 rows against 8) gave 2-3 of 32 prompts other tokens."""
     if not (h.is_cuda and h.dtype in HALF):
         return None
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
-    if not decode_fused.enabled(h):
-        return None
-    return "mma" if h.shape[0] <= decode_fused.MMA_ROWS else "gemm"
+    return "mma" if decode_fused.enabled(h) else None
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gain: torch.Tensor, eps: float,
@@ -191,9 +190,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gain: 
     """W @ (rms_norm(x) * gain) (+ bias) on the fused path."""
     from specialists.ops import decode_fused
 
-    if path == "mma":
-        return decode_fused.mma(x, w, bias, gain=gain, eps=eps)
-    return linear(decode_fused.rms_norm(x, gain, eps), w, bias)
+    return decode_fused.mma(x, w, bias, gain=gain, eps=eps)
 
 
 def _add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str,
@@ -201,10 +198,7 @@ def _add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.
     """h += W @ x (+ bias), in place; swiglu: x = [gate | up] -> silu(gate) * up first."""
     from specialists.ops import decode_fused
 
-    if path == "mma":
-        decode_fused.mma(x, w, bias, swiglu=swiglu, residual=h)
-    else:
-        decode_fused.add_product(h, decode_fused.silu_mul(x) if swiglu else x, w, bias)
+    decode_fused.mma(x, w, bias, swiglu=swiglu, residual=h)
 
 
 def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, cos: torch.Tensor,
@@ -259,7 +253,8 @@ class DecoderBase:
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [n, d] -> [n, V]
-        return linear(hidden, self.lm_head)
+        """A verify's logits are its decodes' bit for bit (ops/linear.exact_linear)."""
+        return exact_linear(hidden, self.lm_head)
 
 
 class LlamaModel(DecoderBase):

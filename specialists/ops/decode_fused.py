@@ -5,7 +5,8 @@ A Llama layer's step at a few rows was 15 kernels on torch ops: two RMSNorms (to
 GEMMs (at one row 1.4-2.6 TB/s, some split-K with a reduction kernel). At real sizes the gaps between
 kernels and the small kernels' fixed cost held a 1B model at 2.3x its bandwidth bound. Two paths:
 
-  mma (at most MMA_ROWS rows: batch 1's decodes and verifies, batch 8's decodes and K = 3 verifies):
+  mma (at most MAX_ROWS rows: every decode and verify step of up to 8 sequences at K <= 7; the engine
+      caps K so that a step stays within it, specialists/staging.exact_rows):
       four products per layer, each a Triton kernel on the tensor cores that carries its neighbours:
       RMSNorm before q/k/v and gate/up, SiLU * up before down, the residual add after o and down (in
       place). A layer is 6 kernels with RoPE + KV write and the attention. The rows sit in
@@ -15,8 +16,10 @@ kernels and the small kernels' fixed cost held a 1B model at 2.3x its bandwidth 
       row's products alike in each), and K splits by the weight's shape alone with the partials summed
       in order: a verify of K+1 tokens computes exactly what the decodes of those tokens compute, and a
       request's tokens do not depend on the batch it shares (the exactness contract).
-  gemm (MMA_ROWS < rows <= MAX_ROWS): cuBLAS products, with rms_norm and silu_mul as one Triton
-      kernel each and the residual as the GEMM's C operand (add_product: no add kernel).
+  gemm pieces (rms_norm, silu_mul, add_product: cuBLAS with the residual as the GEMM's C operand) are
+      bench.fused_products' comparison only: the engine took them above 32 rows until a verify of 48
+      rows (batch 8, K=5, bf16) gave other greedy tokens than its decodes (cuBLAS picks its kernel by
+      the row count).
 
 The rounding: the SiLU and its product are rounded to the model's dtype before a product, as the torch
 ops round; under the RMSNorm, x * gain is rounded and the product scaled by the row's rsqrt(mean(x^2)
@@ -39,8 +42,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specialists.ops.attention import HALF
 
-__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "pdl", "launches_early", "MAX_ROWS",
-           "MMA_ROWS"]
+__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "pdl", "launches_early", "MAX_ROWS"]
 
 MAX_ROWS = 64  # decodes and verifies of up to 8 sequences at K = 7 (prefills keep the torch ops)
 
@@ -103,7 +105,6 @@ def add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.T
     return h
 
 
-MMA_ROWS = 32  # a step of at most this many rows uses `mma` (above, cuBLAS is faster: `gemm`)
 
 # (prologue, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the least time at one row in
 # sweeps on an H100 over L2-cold weights (`bench.fused_products --sweep` and the `mma_probe` rows in

@@ -35,7 +35,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "onednn_enabled", "proposal_linear", "quantize_int8", "quantize_blocks", "int8_of"]
+__all__ = ["exact_linear", "linear", "onednn_enabled", "proposal_linear", "quantize_int8", "quantize_blocks", "int8_of"]
 
 _HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
 _lock = threading.Lock()
@@ -79,6 +79,19 @@ def _few_rows_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     m, n = x.shape[0], w.shape[0]
     return 2 <= m <= 8 and n <= 2048 and (n < 640 or m > 4)
+
+
+def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear`, except on CUDA in half precision at most decode_fused.MAX_ROWS rows (decode and verify
+    steps): the `mma` product, which gives a row the same bits at any row count, so a verify computes
+    exactly its decodes' products. cuBLAS picks its kernel by the row count; in bf16 that moved greedy
+    tokens (the lm_head and the Mamba layers' products of the toys at batch 8, K=5: 48 rows against 8)."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and w.dim() == 2:
+        from specialists.ops import decode_fused  # Triton: a GPU install has it
+
+        if decode_fused.enabled(x):
+            return decode_fused.mma(x.contiguous(), w.contiguous(), b)
+    return linear(x, w, b)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

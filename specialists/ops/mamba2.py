@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from specialists.ops.linear import linear
+from specialists.ops.linear import exact_linear
 from specialists.ops.mamba2_boundaries import states_at
 
 __all__ = [
@@ -174,7 +174,7 @@ def _in_proj(p: Mamba2Params, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     the projected xBC -- i.e. the conv state, a copy of it -- by 2-3 fp32 ulps. Row-invariant (on
     CPUs without AMX, see linear.py), a committed conv state equals a fresh prefill's bit for bit.
     This replaced an fp64 product for the xBC rows."""
-    zxbcdt = linear(u, p.in_proj_weight, p.in_proj_bias)
+    zxbcdt = exact_linear(u, p.in_proj_weight, p.in_proj_bias)
     return zxbcdt.split([p.d_inner, p.conv_dim, p.num_heads], dim=-1)
 
 
@@ -222,7 +222,7 @@ def _gated_norm_out(p: Mamba2Params, y: torch.Tensor, z: torch.Tensor, dtype: to
     g = h.view(*lead, p.n_groups, p.d_inner // p.n_groups)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + p.norm_eps)
     h = p.norm_weight * g.view(*lead, p.d_inner).to(dtype)
-    return linear(h.to(dtype), p.out_proj_weight, p.out_proj_bias)
+    return exact_linear(h.to(dtype), p.out_proj_weight, p.out_proj_bias)
 
 
 def _zeros_states(p: Mamba2Params, batch: tuple[int, ...], device, dtype):

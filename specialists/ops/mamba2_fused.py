@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specialists.ops.linear import linear
+from specialists.ops.linear import exact_linear
 from specialists.ops.mamba2 import Mamba2Params
 
 __all__ = ["mamba2_step_fused", "mixer_step"]
@@ -152,9 +152,9 @@ def mamba2_step_fused(
     if u.dtype not in _ACT:
         raise ValueError(f"unsupported activation dtype {u.dtype}")
     B, q, d = u.shape
-    zx = linear(u.reshape(B * q, d), p.in_proj_weight, p.in_proj_bias)  # [B q, d_inner + conv_dim + H]
+    zx = exact_linear(u.reshape(B * q, d), p.in_proj_weight, p.in_proj_bias)  # [B q, d_inner + conv_dim + H]
     normed, convs, states = mixer_step(p, zx, B, q, conv_state, ssm_state)
-    return linear(normed, p.out_proj_weight, p.out_proj_bias).view(B, q, -1), convs, states
+    return exact_linear(normed, p.out_proj_weight, p.out_proj_bias).view(B, q, -1), convs, states
 
 
 def mixer_step(p: Mamba2Params, zx: torch.Tensor, B: int, q: int, conv_state: torch.Tensor,
