@@ -19,8 +19,8 @@ bucket falls back at once, without measuring again. A re-probe judges the bucket
 A paired gate (a CPU engine's: the drafter entries its plain steps skip are caught up on resume,
 spec/catchup.py) takes a bucket's first plain figure before the bucket's first speculative step, so a
 losing bucket never speculates past its window. A baseline's end judges a bucket with both figures
-(a GPU's bucket speculates first: a losing one gets its verdict without a second window). A CPU engine reports no step within SETTLE_STEPS of a
-prefill, and while a slow verdict holds one step in HELD_EVERY.
+(a GPU's bucket speculates first: a losing one gets its verdict without a second window). A CPU
+engine reports no step within SETTLE_STEPS of a prefill, and while a slow verdict holds one in HELD_EVERY.
 """
 
 from __future__ import annotations

@@ -120,9 +120,9 @@ class StepTimes:
     def __init__(self) -> None:
         self.by: dict[str, list[float]] = {}
 
-    def add(self, key: str, seconds: float, tokens: int) -> None:
+    def add(self, key: str, seconds: float, tokens: int, steps: int = 1) -> None:
         row = self.by.setdefault(key, [0, 0.0, 0])
-        row[0] += 1
+        row[0] += steps
         row[1] += seconds
         row[2] += tokens
 
@@ -130,10 +130,7 @@ class StepTimes:
         out = StepTimes()
         for src in (self, other):
             for key, (n, s, t) in src.by.items():
-                row = out.by.setdefault(key, [0, 0.0, 0])
-                row[0] += n
-                row[1] += s
-                row[2] += t
+                out.add(key, s, t, n)
         return out
 
     def as_dict(self) -> dict:
