@@ -133,6 +133,9 @@ def timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | No
     if sides.spec_engine is None:
         ours, t_engine = timed(sides.run_engine, batches, sides.device, "engine")
         return ours, [], t_engine, 0.0
+    if len(batches) * repeat % 2:  # the engines swap every other run: an odd count puts one on a side once more
+        print(f"note: {len(batches)} batch(es) x {repeat} round(s) is odd: the two engines do not run each side equally "
+              "often (two instances differ in speed by up to 23% on a CPU); an even --repeat balances them", file=sys.stderr)
     ours, spec, t_engine, t_spec = [], [], 0.0, 0.0  # side by side, batch after batch: noise hits both alike
     engines, later = (sides.engine, sides.spec_engine), [0.0, 0.0]  # later: the rounds after the first
     for i, batch in enumerate(tqdm(batches, desc=f"engine / speculative K={spec_k}", unit="batch", file=sys.stderr)):
