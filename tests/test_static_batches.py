@@ -145,3 +145,24 @@ def test_grouped_attention_matches_sdpa(M: int, G: int) -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=G > 1).transpose(1, 2)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_verifies_at_most_what_keeps_its_products_exact() -> None:
+    """Runner.max_drafts caps K per batch bucket so that a static step stays within the rows whose
+    products are row-invariant (on CUDA in half precision 64; here lowered to 16 to drive the cap on
+    any device): batch 4 verifies at most 3 drafts, batch 2 the policy's 5, batch 8 none; the output
+    equals plain decoding."""
+    eng = _engine("shell", True, "on", k=5, seqs=8)
+    eng.runner.exact_rows = 16
+    assert [eng.runner.max_drafts(b) for b in (1, 2, 3, 4, 8)] == [15, 7, 3, 3, 1]
+    plain = _engine("shell", True, "off", seqs=8)
+    prompts = _prompts(eng, "shell", 8)
+    rows, static_step = [], eng.runner._static_step  # every static step's rows, padding included
+    eng.runner._static_step = lambda batch, *a, **k: (rows.append(batch.num_tokens), static_step(batch, *a, **k))[1]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for batch, most in ((2, 5), (4, 3), (8, 1)):
+        outs = eng.generate(prompts[:batch], params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts[:batch], params)]
+        assert most in {k for o in outs for k in o.stats.ks}, batch  # the capped K ran (a batch's tail may run more)
+    assert rows and max(rows) <= 16, max(rows)
+    eng.kv.check_invariants()
