@@ -247,14 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         result.update(prefix_ttft.measure(prefix_ttft.loader(args, DTYPES[args.dtype]), prompts, sides.n))
     log.info("%d prompts x %d new tokens: engine %.2f s (%d prompt tokens from the prefix cache), transformers %.2f s on %s",
              len(prompts), sides.n, t_engine, prefix_hits, t_hf, device_name(args.device))
-    record(args.results, {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n, "chat": args.chat,
-                          **({"repeat": args.repeat, "repeat_identical": not sides.repeat_differs,
-                              "speedup_after_first_round": round(sides.later_ratio, 4) if sides.later_ratio else None}
-                             if args.repeat > 1 else {}),
-                          "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
-                          "prefix_hit_tokens": prefix_hits, "checkpoint": ident,
-                          "device_name": device_name(args.device), "commit": git_commit()})
-    print(json.dumps(result))
+    row = {"bench": "decode", **result, "prompts": len(prompts), "max_new_tokens": sides.n, "chat": args.chat,
+           **({"repeat": args.repeat, "repeat_identical": not sides.repeat_differs,
+               "speedup_after_first_round": round(sides.later_ratio, 4) if sides.later_ratio else None}
+              if args.repeat > 1 else {}),
+           "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
+           "prefix_hit_tokens": prefix_hits, "checkpoint": ident,
+           "device_name": device_name(args.device), "commit": git_commit()}
+    record(args.results, row)
+    print(json.dumps(row))  # the row as recorded: with the rounds, the checkpoint and the commit
     return 0
 
 
