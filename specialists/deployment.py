@@ -206,7 +206,7 @@ class Specialist:
     def _policy_dict(self) -> dict[str, Any]:
         gate = self.engine.gate
         return {"specialist": self.name, "policy": gate.policy.model_dump(), "gate": gate.snapshot(),
-                "speculation": self.speculation_status(),
+                "speculation": self.speculation_status(), "step_times": self.engine.step_times.as_dict(),
                 "pid": os.getpid(), "started_at": self.started_at}
 
     async def _apply(self, policy: SpeculationPolicy) -> dict[str, Any]:
