@@ -297,9 +297,7 @@ def test_auto_gating_falls_back_and_probes_again(client):
         "min_acceptance": 1.0, "window": 6, "max_running_batch": 8, "cooldown_s": 3.0, "min_speedup": 0.0}}
     assert requests.put(f"{BASE}/admin/policies/shell", json=policy, headers=AUTH, timeout=10).status_code == 200
     assert speculation_of(client, "shell", max_tokens=64, temperature=1.0, seed=7) == "fallback"
-    view = admin_view("shell")
-    assert view["gate"]["status"] == "fallback"
-    assert view["step_times"]["fallback:low_acceptance"]["steps"] > 0  # where the engine's steps went
+    assert (view := admin_view("shell"))["gate"]["status"] == "fallback" and view["step_times"]["fallback:low_acceptance"]["steps"] > 0
     deadline = time.monotonic() + 10
     while admin_view("shell")["speculation"] != "on":
         assert time.monotonic() < deadline, admin_view("shell")
