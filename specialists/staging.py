@@ -9,6 +9,8 @@ import logging
 import numpy as np
 import torch
 
+from specialists.ops.attention import HALF
+
 
 class StaticInputs:
     """The int64 buffers a ForwardBatch is viewed from: named segments of fixed capacity (tokens,
@@ -89,7 +91,7 @@ def exact_rows(device: str | torch.device, dtype: torch.dtype) -> int:
     any row count, so that a verify computes exactly its decodes' tokens: on CUDA in half precision
     decode_fused.MAX_ROWS (its `mma` products; above, cuBLAS picks kernels by the row count); elsewhere
     no limit (fp32: see ops/linear.py)."""
-    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if torch.device(device).type != "cuda" or dtype not in HALF:
         return 1 << 30
     from specialists.ops.decode_fused import MAX_ROWS  # Triton: a GPU install has it
 

@@ -150,13 +150,13 @@ class BambaModel(DecoderBase):
         for layer in self.layers:
             i = layer.cache_index
             if layer.attn is not None and fused:
-                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch, fused)
+                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
             elif layer.attn is not None:
                 h = h + attention_block(layer.attn, rms_norm(h, layer.input_norm, self.eps), cos, sin, kv.k[i], kv.v[i], batch)
             else:
                 h = h + self._mamba(layer.mamba, i, rms_norm(h, layer.input_norm, self.eps), batch, ssm)
             if fused:
-                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h, fused)
+                fused_mlp(layer.mlp, layer.pre_ff_norm, self.eps, h)
             else:
                 h = h + mlp_block(layer.mlp, rms_norm(h, layer.pre_ff_norm, self.eps))
         return rms_norm(h, self.norm, self.eps)

@@ -173,48 +173,34 @@ def mlp_block(w: MLPWeights, x: torch.Tensor) -> torch.Tensor:  # x [T, d] -> [T
     return linear(F.silu(gate) * up, w.down_proj, w.down_bias)
 
 
-def fused_step(h: torch.Tensor) -> str | None:
-    """The fused path for a CUDA half-precision step of at most decode_fused.MAX_ROWS rows (decodes,
-    verifies), or None: "mma", whose products give a row the same bits at any row count (a verify
-    computes its decodes' products). cuBLAS (the former "gemm" path above 32 rows) picks its kernel by
-    the row count: bf16 toys at batch 8, K=5 (48 rows against 8) gave 2-3 of 32 prompts other tokens."""
+def fused_step(h: torch.Tensor) -> bool:
+    """Whether a step runs the fused path: CUDA, half precision, at most decode_fused.MAX_ROWS rows
+    (decodes, verifies). Its `mma` products give a row the same bits at any row count, so a verify
+    computes its decodes' products (cuBLAS, which the path took above 32 rows before ce59499, picks its
+    kernel by the row count: bf16 toys at batch 8, K=5 gave 2-3 of 32 prompts other tokens)."""
     if not (h.is_cuda and h.dtype in HALF):
-        return None
+        return False
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
-    return "mma" if decode_fused.enabled(h) else None
-
-
-def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gain: torch.Tensor, eps: float,
-             path: str) -> torch.Tensor:
-    """W @ (rms_norm(x) * gain) (+ bias) on the fused path."""
-    from specialists.ops import decode_fused
-
-    return decode_fused.mma(x, w, bias, gain=gain, eps=eps)
-
-
-def _add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str,
-                 swiglu: bool = False) -> None:
-    """h += W @ x (+ bias), in place; swiglu: x = [gate | up] -> silu(gate) * up first."""
-    from specialists.ops import decode_fused
-
-    decode_fused.mma(x, w, bias, swiglu=swiglu, residual=h)
+    return decode_fused.enabled(h)
 
 
 def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch,
-                    path: str) -> None:
-    """h += attention_block(w, rms_norm(h) * gain, ...), in place, on fused_step's path."""
+                    sin: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch) -> None:
+    """h += attention_block(w, rms_norm(h) * gain, ...), in place, on the fused path (fused_step)."""
     from specialists.ops import decode_fused
 
-    qkv = _product(h, w.qkv, w.qkv_bias, gain, eps, path)
-    let_next = path == "mma" and decode_fused.launches_early(w.o_proj)
-    _add_product(h, attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch, let_next), w.o_proj, w.o_bias, path)
+    qkv = decode_fused.mma(h, w.qkv, w.qkv_bias, gain=gain, eps=eps)
+    o = attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch, decode_fused.launches_early(w.o_proj))
+    decode_fused.mma(o, w.o_proj, w.o_bias, residual=h)
 
 
-def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor, path: str) -> None:
-    """h += mlp_block(w, rms_norm(h) * gain), in place, on fused_step's path."""
-    _add_product(h, _product(h, w.gate_up, w.gate_up_bias, gain, eps, path), w.down_proj, w.down_bias, path, swiglu=True)
+def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor) -> None:
+    """h += mlp_block(w, rms_norm(h) * gain), in place, on the fused path (fused_step)."""
+    from specialists.ops import decode_fused
+
+    gate_up = decode_fused.mma(h, w.gate_up, w.gate_up_bias, gain=gain, eps=eps)
+    decode_fused.mma(gate_up, w.down_proj, w.down_bias, swiglu=True, residual=h)
 
 
 def head_dim_of(config: Any) -> int:
@@ -290,11 +276,10 @@ class LlamaModel(DecoderBase):
         cos, sin = self.rope.cos_sin(batch.positions, h.dtype)
         if self.native is not None and not batch.static and h.device.type == "cpu":
             return self.native(batch, kv, h, cos, sin)
-        path = fused_step(h)
-        if path:
+        if fused_step(h):
             for i, layer in enumerate(self.layers):
-                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch, path)
-                fused_mlp(layer.mlp, layer.post_norm, self.eps, h, path)
+                fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
+                fused_mlp(layer.mlp, layer.post_norm, self.eps, h)
             return rms_norm(h, self.norm, self.eps)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)

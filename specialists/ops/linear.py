@@ -35,6 +35,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from specialists.ops.attention import HALF
+
 __all__ = ["exact_linear", "linear", "onednn_enabled", "proposal_linear", "quantize_int8", "quantize_blocks", "int8_of"]
 
 _HINT = 4  # the batch hint of the packed layout; any hint >= 2 gives the row-invariant blocked layout
@@ -86,7 +88,7 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     steps): the `mma` product, which gives a row the same bits at any row count, so a verify computes
     exactly its decodes' products. cuBLAS picks its kernel by the row count; in bf16 that moved greedy
     tokens (the lm_head and the Mamba layers' products of the toys at batch 8, K=5: 48 rows against 8)."""
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and w.dim() == 2:
+    if x.is_cuda and x.dtype in HALF and x.dim() == 2 and w.dim() == 2:
         from specialists.ops import decode_fused  # Triton: a GPU install has it
 
         if decode_fused.enabled(x):
