@@ -19,7 +19,7 @@ valid rate, finish reasons, tokens, masked drafts and mask time, the checkpoint,
 
 `--speed` measures what the grammar costs speculation instead, at batch 1 (one request at a time,
 greedy, until the end of turn or --max-tokens): the same prompts with the grammar and without it, each
-through the engine with its drafter (policy on, the checkpoint's K unless --spec-k) and without
+through the engine with its drafter (policy on, or --policy auto; K from --spec-k) and without
 speculation, timed in one run, interleaved request by request (--repeat R rounds): speedup_free and
 speedup_grammar (speculative over plain tok/s), their ratio (also per round), identical outputs,
 acceptance, the grammar's mask time per step, and each way's ms per step with the step's draft,
@@ -36,6 +36,8 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
 from router.api import ChatCompletionRequest
@@ -141,7 +143,7 @@ COUNTS = ("steps", "drafted", "accepted", "grammar_steps", "grammar_mask_s", "gr
 
 
 def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, device: str = "cpu",
-          repeat: int = 1) -> dict[str, Any]:
+          repeat: int = 1, policy: str = "on", dtype: str = "float32") -> dict[str, Any]:
     """Speculation's speed-up with the grammar and without it, batch 1, on the same prompts.
 
     Interleaved: each request runs in its four ways (speculative and plain, with the grammar and
@@ -150,8 +152,11 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
     0.42 between two runs timed phase after phase) hits the four alike."""
     from policies.policy import SpeculationPolicy
 
-    engines = {"spec": Engine.from_pretrained(model_dir, device=device, policy=SpeculationPolicy(mode="on", num_speculative_tokens=k)),
-               "plain": Engine.from_pretrained(model_dir, device=device, policy=SpeculationPolicy(mode="off"))}
+    # no prefix cache: a round's prefills must repeat the first's (in half precision a prefill over a cached
+    # prefix runs other products than the whole prompt's, and a near-tie may then go another way)
+    opts = {"device": device, "dtype": getattr(torch, dtype), "enable_prefix_cache": False}
+    engines = {"spec": Engine.from_pretrained(model_dir, **opts, policy=SpeculationPolicy(mode=policy, num_speculative_tokens=k)),
+               "plain": Engine.from_pretrained(model_dir, **opts, policy=SpeculationPolicy(mode="off"))}
     for eng in engines.values():
         eng.warmup()
     _, prompts, specs = prepare(requests_of(rows, mode), mode)
@@ -186,7 +191,9 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
     ratio = lambda r=None: (_speedup(secs, "grammar", r) / _speedup(secs, "free", r))  # noqa: E731
     free, constrained = _speedup(secs, "free"), _speedup(secs, "grammar")
     same = lambda a, b: sum(x == y for x, y in zip(tokens[a], tokens[b])) / len(prompts)  # noqa: E731
-    return {"bench": "grammar_speed", "mode": mode, "k": k, "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
+    gate = engines["spec"].gate.snapshot()  # under auto: what it judged per bucket, free and guided
+    return {"bench": "grammar_speed", "mode": mode, "k": k, "policy": policy, "dtype": dtype,
+            **({"measured_speedup": gate["measured_speedup"], "slow_buckets": gate["slow_buckets"]} if policy == "auto" else {}), "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
             "device": device_name(device), "commit": git_commit(), "requests": len(rows), "batch_size": 1,
             "max_tokens": max_tokens, "repeat": repeat, "interleaved": True,
             "speedup_free": round(free, 3), "speedup_grammar": round(constrained, 3),
@@ -234,11 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-k", type=int, default=3, help="with --speed: drafts per step")
     ap.add_argument("--repeat", type=int, default=1, help="with --speed: rounds over the requests (each must repeat its tokens)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--policy", choices=["on", "auto"], default="on",
+                    help="with --speed: the speculative engine's mode (auto: the gate judges free and guided steps apart)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rows = read_jsonl(args.data, args.limit)
     for model in args.model or DEFAULT_MODELS:
-        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k, args.device, args.repeat) if args.speed
+        row = (speed(model, rows, args.mode, args.max_tokens, args.spec_k, args.device, args.repeat, args.policy, args.dtype)
+               if args.speed
                else evaluate(model, rows, args.mode, args.grammar == "on", args.max_tokens, args.device))
         record(args.results, row)
         print(json.dumps(row), flush=True)

@@ -9,7 +9,8 @@ each speculative step; ``set_policy`` may come from another thread (Serve's reco
 
 With ``auto.min_speedup`` > 0 the gate also judges time: the engine reports every step's wall time
 and emitted tokens (``observe_time``); speculative steps feed a rolling seconds-per-token figure, plain
-steps (in fallback) another, both per batch-size bucket. Once the acceptance window is full, no plain
+steps (in fallback) another, both per batch-size bucket (a step with a grammar active in
+another bucket than a free one of its size). Once the acceptance window is full, no plain
 figure for the current bucket -> "fallback" ("baseline", to measure one); plain / speculative below
 min_speedup (the median plain step's seconds per token over the mean speculative ones) -> "fallback"
 ("slow") for that bucket only: the verdict is kept per bucket for
@@ -28,95 +29,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
+from policies.figures import GateInputError, RollingAcceptance, SecondsPerToken
 from policies.policy import SpeculationPolicy
 
 Status = Literal["on", "off", "fallback"]
 Reason = Literal["policy", "probe", "low_acceptance", "large_batch", "baseline", "slow"]
 
 log = logging.getLogger(__name__)
-
-
-class GateInputError(ValueError):
-    """observe() got counts that cannot be: negative, or more accepted than drafted."""
-
-
-class RollingAcceptance:
-    """Accepted/drafted over the last ``window`` drafted tokens.
-
-    Kept per step as (drafted, accepted); when the window overflows, the oldest step is cut down to
-    the tokens that still fit, keeping that step's acceptance rate (its tokens are not ordered)."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self._steps: deque[tuple[float, float]] = deque()  # (drafted, accepted), oldest first
-        self._drafted = 0.0
-        self._accepted = 0.0
-
-    def add(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        self._steps.append((float(drafted), float(accepted)))
-        self._drafted += drafted
-        self._accepted += accepted
-        while self._drafted > self.window:
-            old_drafted, old_accepted = self._steps.popleft()
-            excess = self._drafted - self.window
-            if excess >= old_drafted:  # the whole step leaves the window
-                self._drafted -= old_drafted
-                self._accepted -= old_accepted
-                continue
-            kept = old_drafted - excess
-            kept_accepted = old_accepted * kept / old_drafted
-            self._steps.appendleft((kept, kept_accepted))
-            self._drafted = float(self.window)
-            self._accepted -= old_accepted - kept_accepted
-        if not self._steps:  # float drift cannot outlive an empty window
-            self._drafted = self._accepted = 0.0
-
-    @property
-    def drafted(self) -> float:
-        return self._drafted
-
-    @property
-    def full(self) -> bool:
-        return self._drafted >= self.window
-
-    @property
-    def rate(self) -> float | None:
-        if self._drafted <= 0:
-            return None
-        return min(1.0, max(0.0, self._accepted / self._drafted))
-
-
-class SecondsPerToken:
-    """Wall seconds per emitted token over the last ``steps`` steps (None before any)."""
-
-    def __init__(self, steps: int = 32) -> None:
-        self._steps: deque[tuple[float, int]] = deque(maxlen=steps)
-
-    def add(self, seconds: float, tokens: int) -> None:
-        if tokens > 0:
-            self._steps.append((seconds, tokens))
-
-    @property
-    def count(self) -> int:
-        return len(self._steps)
-
-    @property
-    def value(self) -> float | None:
-        tokens = sum(t for _, t in self._steps)
-        return sum(s for s, _ in self._steps) / tokens if tokens else None
-
-    @property
-    def median(self) -> float | None:
-        """The median step's seconds per token: a plain figure that a few slow steps (a step right
-        after a switch, a cache refill) do not move."""
-        per = sorted(s / t for s, t in self._steps)
-        return per[len(per) // 2] if per else None
 
 
 # speculative seconds per token over this many steps: acceptance swings with the text (a stretch of a
@@ -139,9 +61,18 @@ def _k_options(policy: SpeculationPolicy) -> tuple[int, ...]:
     return tuple(sorted({policy.num_speculative_tokens, *policy.auto.k_choices}))
 
 
-def _bucket(batch: int) -> int:
-    """1, 2, 4, 8, ...: steps of similar batch sizes are compared with each other."""
-    return 1 << max(0, batch - 1).bit_length()
+Bucket = tuple[int, bool]  # (1, 2, 4, 8, ... rows; a grammar active in the step)
+
+
+def _bucket(batch: int, guided: bool = False) -> Bucket:
+    """Steps of similar batch sizes are compared with each other, those with a grammar active apart:
+    a guided plain step decodes one token (each mask needs the token before) where a free one may
+    decode several in one graph, so speculation can lose free and win under a grammar (H100 toys)."""
+    return 1 << max(0, batch - 1).bit_length(), guided
+
+
+def _label(b: Bucket) -> int | str:  # snapshot keys: 8, or "8+grammar"
+    return f"{b[0]}+grammar" if b[1] else b[0]
 
 
 class SpeculationGate:
@@ -159,13 +90,13 @@ class SpeculationGate:
         self._fallbacks = 0
         self._drafted_total = 0
         self._accepted_total = 0
-        self._spec_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> speculative seconds per token
-        self._plain_spt: dict[int, SecondsPerToken] = {}  # batch bucket -> plain seconds per token
-        self._k_spt: dict[tuple[int, int], SecondsPerToken] = {}  # (bucket, K) -> speculative seconds per token
-        self._k_steps: dict[int, int] = {}  # bucket -> steps that asked k_for
-        self._slow: dict[int, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
-        self._reprobe: dict[int, float] = {}  # bucket -> the cooldown of its expired slow verdict
-        self._since_plain: dict[int, int] = {}  # bucket -> speculative steps since its plain figure was taken
+        self._spec_spt: dict[Bucket, SecondsPerToken] = {}  # batch bucket -> speculative seconds per token
+        self._plain_spt: dict[Bucket, SecondsPerToken] = {}  # batch bucket -> plain seconds per token
+        self._k_spt: dict[tuple[Bucket, int], SecondsPerToken] = {}  # (bucket, K) -> speculative seconds per token
+        self._k_steps: dict[Bucket, int] = {}  # bucket -> steps that asked k_for
+        self._slow: dict[Bucket, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
+        self._reprobe: dict[Bucket, float] = {}  # bucket -> the cooldown of its expired slow verdict
+        self._since_plain: dict[Bucket, int] = {}  # bucket -> speculative steps since its plain figure was taken
         # paired: a CPU engine's gate (its plain steps owe the drafter's entries, caught up on resume; not with
         # multi-step graphs): a bucket's plain figure comes first
         self.paired = paired
@@ -192,19 +123,20 @@ class SpeculationGate:
             status = self._status
         log.info("speculation policy: mode %s -> %s, status %s", old.mode, policy.mode, status)
 
-    def decide(self, running_batch: int) -> Status:
-        """The status for this engine step; called once per step, before drafting."""
+    def decide(self, running_batch: int, guided: bool = False) -> Status:
+        """The status for this engine step (guided: a grammar active in it); called once per step, before drafting."""
         with self._lock:
             if self._policy.mode != "auto":
                 return self._status
             gating = self._policy.auto
-            slow = self._bucket_slow(_bucket(running_batch))
+            b = _bucket(running_batch, guided)
+            slow = self._bucket_slow(b)
             if self._status == "fallback":
                 if self._reason == "slow" and slow:
                     return "fallback"
-                if self._reason != "slow" and not self._fallback_over(gating, running_batch):
+                if self._reason != "slow" and not self._fallback_over(gating, b):
                     return "fallback"
-                if self._reason == "baseline" and self._judge(_bucket(running_batch)):
+                if self._reason == "baseline" and self._judge(b):
                     return "fallback"
                 self._window = RollingAcceptance(gating.window)
                 self._enter("on", "probe")
@@ -212,11 +144,11 @@ class SpeculationGate:
                 self._fall_back("large_batch")
             elif slow and self._status == "on":  # back in a bucket judged slow: no need to measure again
                 self._enter("fallback", "slow")
-            elif self._status == "on" and self._plain_first(_bucket(running_batch)):
+            elif self._status == "on" and self._plain_first(b):
                 self._fall_back("baseline")
             return self._status
 
-    def _plain_first(self, b: int) -> bool:  # under the lock
+    def _plain_first(self, b: Bucket) -> bool:  # under the lock
         """Whether bucket b takes its plain figure now, before its first speculative step: a paired
         gate (its baseline steps owe the drafter entries that the catch-up writes on resume), the
         time gate on, the engine timing its steps, and b with neither figure. Taken first, the plain
@@ -227,7 +159,7 @@ class SpeculationGate:
         return (self.paired and self._timed and self._policy.auto.min_speedup > 0 and b not in self._plain_spt
                 and b not in self._spec_spt)
 
-    def _bucket_slow(self, b: int) -> bool:  # under the lock
+    def _bucket_slow(self, b: Bucket) -> bool:  # under the lock
         """Whether bucket b's slow verdict holds now; an expired one is dropped with the bucket's
         speculative figures (the re-probe judges fresh ones) and remembered for the backoff."""
         entry = self._slow.get(b)
@@ -258,7 +190,7 @@ class SpeculationGate:
             if rate is not None and rate < self._policy.auto.min_acceptance:
                 self._fall_back("low_acceptance")
 
-    def k_for(self, batch: int) -> int:
+    def k_for(self, batch: int, guided: bool = False) -> int:
         """K for a speculative step at this batch size: num_speculative_tokens, or with auto.k_choices
         the fastest measured K of this batch's bucket (each tried probe_steps steps first; every
         probe_every steps one step tries the next K in turn, so a change of load is noticed)."""
@@ -267,7 +199,7 @@ class SpeculationGate:
             choices = _k_options(p)
             if p.mode != "auto" or len(choices) == 1:
                 return p.num_speculative_tokens
-            b = _bucket(batch)
+            b = _bucket(batch, guided)
             n = self._k_steps[b] = self._k_steps.get(b, 0) + 1
             fresh = [k for k in choices if (s := self._k_spt.get((b, k))) is None or s.count < p.auto.probe_steps]
             if fresh:
@@ -276,14 +208,15 @@ class SpeculationGate:
                 return choices[(n // p.auto.probe_every) % len(choices)]
             return min(choices, key=lambda k: self._k_spt[(b, k)].value)
 
-    def observe_time(self, status: Status, batch: int, seconds: float, tokens: int, k: int | None = None) -> None:
+    def observe_time(self, status: Status, batch: int, seconds: float, tokens: int, k: int | None = None,
+                     guided: bool = False) -> None:
         """One engine step's wall time and emitted tokens, with the status it was decided under (and
         the K its speculative rows verified)."""
         if seconds < 0 or tokens < 0:
             raise GateInputError(f"need seconds >= 0 and tokens >= 0, got {seconds}, {tokens}")
         with self._lock:
             self._timed = True
-            b = _bucket(batch)
+            b = _bucket(batch, guided)
             if status == "on":
                 self._spec_spt.setdefault(b, SecondsPerToken(SPEC_STEPS)).add(seconds, tokens)
                 self._since_plain[b] = self._since_plain.get(b, 0) + 1
@@ -304,7 +237,7 @@ class SpeculationGate:
                 return
             self._judge(b)
 
-    def _judge(self, b: int) -> bool:  # under the lock
+    def _judge(self, b: Bucket) -> bool:  # under the lock
         """Bucket b's verdict from its figures: slow -> fallback for the bucket's cooldown. -> slow?"""
         gating = self._policy.auto
         speedup = self._speedup(b)
@@ -318,11 +251,11 @@ class SpeculationGate:
             self._reprobe.pop(b, None)
         return False
 
-    def speedup(self, batch: int = 1) -> float | None:  # plain over speculative s/token at batch's bucket
+    def speedup(self, batch: int = 1, guided: bool = False) -> float | None:  # plain over speculative s/token at batch's bucket
         with self._lock:
-            return self._speedup(_bucket(batch))
+            return self._speedup(_bucket(batch, guided))
 
-    def _speedup(self, b: int) -> float | None:  # under the lock
+    def _speedup(self, b: Bucket) -> float | None:  # under the lock
         """With k_choices, of the K that k_for runs (the fastest measured): every K's probe steps
         mixed judged a bucket slow where one K was twice as fast as plain."""
         plain, spec = self._plain_spt.get(b), self._spec_spt.get(b)
@@ -370,17 +303,17 @@ class SpeculationGate:
                 "accepted_total": self._accepted_total,
                 "num_speculative_tokens": p.num_speculative_tokens,
                 "acceptance": p.acceptance,
-                "measured_speedup": {b: round(v, 3) for b in self._spec_spt if (v := self._speedup(b)) is not None},
-                "slow_buckets": {b: round(max(0.0, until - now), 3) for b, (until, _) in sorted(self._slow.items())},
-                "seconds_per_token_by_k": {f"{b}:{k}": round(v, 6) for (b, k), s in sorted(self._k_spt.items())
+                "measured_speedup": {_label(b): round(v, 3) for b in self._spec_spt if (v := self._speedup(b)) is not None},
+                "slow_buckets": {_label(b): round(max(0.0, until - now), 3) for b, (until, _) in sorted(self._slow.items())},
+                "seconds_per_token_by_k": {f"{_label(b)}:{k}": round(v, 6) for (b, k), s in sorted(self._k_spt.items())
                                            if (v := s.value) is not None},
             }
 
-    def _fallback_over(self, gating: Any, running_batch: int) -> bool:  # under the lock
+    def _fallback_over(self, gating: Any, b: Bucket) -> bool:  # under the lock
         """A baseline fallback ends once baseline_steps plain steps of this batch's bucket were timed;
         any other (but "slow", kept per bucket) after cooldown_s."""
         if self._reason == "baseline":
-            plain = self._plain_spt.get(_bucket(running_batch))
+            plain = self._plain_spt.get(b)
             return plain is not None and plain.count >= gating.baseline_steps
         return self._clock() - self._since >= gating.cooldown_s
 

@@ -89,8 +89,7 @@ class Engine:
         unk = tokenizer.unk_token_id
         ids = {name: tok(name) for name in ("<tool_call>", "</tool_call>")}
         ids = {k: (v if isinstance(v, int) and v != unk else None) for k, v in ids.items()}
-        self.eos_ids = eos
-        self.triggers = TriggerSet(frozenset(eos), ids["<tool_call>"], ids["</tool_call>"])
+        self.eos_ids, self.triggers = eos, TriggerSet(frozenset(eos), ids["<tool_call>"], ids["</tool_call>"])
         self.totals = SpecStats()
         self.step_times = StepTimes()
         self._ids = itertools.count()
@@ -220,12 +219,13 @@ class Engine:
         sched = self.scheduler
         t_step = time.perf_counter()
         batch = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the step's, prefills admitted
-        status = self.gate.decide(batch) if self.drafter is not None else "off"
+        guided = sched.guided()  # the gate judges steps with a grammar apart
+        status = self.gate.decide(batch, guided) if self.drafter is not None else "off"
         decided = f"fallback:{self.gate.reason}" if status == "fallback" else status
         policy = self.gate.policy
         rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"  # owed entries: caught up
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
-        k = min(self.gate.k_for(batch), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
+        k = min(self.gate.k_for(batch, guided), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
         self._plan_drafts(k, multi)
         step = sched.schedule()
         if step.empty:
@@ -261,7 +261,7 @@ class Engine:
         if status != "off" and timed and (status != "on" or drafted):  # settled decode-only steps' time per token
             # (an "on" step with no drafts, catching up, is neither figure; a resume's catch-up is a one-off, left out)
             seconds = time.perf_counter() - t_step - out.catchup_s
-            self.gate.observe_time(status, len(rows), seconds, sum(kept), max(r.k for r in rows))
+            self.gate.observe_time(status, len(rows), seconds, sum(kept), max(r.k for r in rows), guided)
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         self.step_times.add(decided, time.perf_counter() - t_step, sum(kept))
         if self.cfg.check_invariants:

@@ -10,6 +10,7 @@ queue, to be prefilled again over prompt + output (recompute).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -114,6 +115,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def guided(self) -> bool:
+        """Whether a grammar is active in a running sequence or in one the next step admits."""
+        admitted = itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
+        return any(seq.guide is not None and seq.guide.active for seq in itertools.chain(self.running, admitted))
 
     def schedule(self) -> ScheduledStep:
         decodes = self._schedule_decodes()

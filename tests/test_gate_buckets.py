@@ -120,7 +120,7 @@ def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds()
         eng.step()
     assert timed and min(s for s, _ in timed) == SETTLE_STEPS  # the prefill was step 0
     with eng.gate._lock:  # a slow verdict for every bucket, held
-        eng.gate._slow.update({b: (1e12, 1e12) for b in (1, 2, 4)})
+        eng.gate._slow.update({(b, False): (1e12, 1e12) for b in (1, 2, 4)})
         eng.gate._enter("fallback", "slow")
     timed.clear()
     emitted_before = sum(v["tokens"] for v in eng.metrics()["step_times"].values())
@@ -140,3 +140,41 @@ def test_the_engine_times_settled_steps_and_one_in_eight_while_a_verdict_holds()
     eng.step()
     eng.step()
     assert [s for s, _ in timed] == [prefill_step + 1]
+
+
+def test_steps_with_a_grammar_are_judged_apart_from_free_ones() -> None:
+    """A free plain step may decode several tokens in one graph (a GPU's) where a guided one decodes
+    one (each mask needs the token before): on an H100 the toys' speculation loses free and wins under
+    a grammar. Here free speculation runs at 0.5x (0.2 s a token against 0.1) and guided at 2x (0.2
+    against 0.4): each kind gets its own verdict at the same batch size, and keeps it when they alternate."""
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, baseline_steps=4), Clock())
+    timed_steps(gate, 20, spec_s=0.6, plain_s=0.1)
+    assert gate.snapshot()["slow_buckets"] == {1: 10.0}
+    assert timed_steps(gate, 20, spec_s=0.6, plain_s=0.4, guided=True)[-10:] == ["on"] * 10
+    snap = gate.snapshot()
+    assert snap["slow_buckets"] == {1: 10.0} and snap["measured_speedup"]["1+grammar"] == pytest.approx(2.0)
+    for _ in range(5):
+        assert timed_steps(gate, 1, spec_s=0.6, plain_s=0.1) == ["fallback"]
+        assert timed_steps(gate, 1, spec_s=0.6, plain_s=0.4, guided=True) == ["on"]
+    assert gate.speedup(1) == pytest.approx(0.5) and gate.speedup(1, guided=True) == pytest.approx(2.0)
+
+
+def test_the_engine_tells_the_gate_which_steps_a_grammar_guides() -> None:
+    """Engine.step passes the gate whether a grammar is active in the step (a running or admitted
+    sequence's), so that guided and free steps are judged apart."""
+    from pathlib import Path
+
+    from specialists.engine import Engine
+    from specialists.sampling import SamplingParams
+    from specialists.wire import GrammarSpec
+
+    shell = Path(__file__).resolve().parents[1] / "deploy" / "models" / "shell"
+    eng = Engine.from_pretrained(shell, max_num_seqs=2, num_blocks=64, policy=auto_policy(min_acceptance=0.0))
+    seen, decide = [], eng.gate.decide
+    eng.gate.decide = lambda batch, guided=False: (seen.append(guided), decide(batch, guided))[1]
+    ids = eng.tokenizer("list the files", add_special_tokens=False)["input_ids"]
+    eng.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(seen) >= 4 and not any(seen)
+    seen.clear()
+    eng.generate([ids], SamplingParams(max_tokens=12, grammar=eng.grammar(GrammarSpec(kind="json_object"))))
+    assert len(seen) >= 2 and all(seen)

@@ -303,18 +303,18 @@ def test_set_policy_from_another_thread_while_stepping() -> None:
 
 
 def timed_steps(gate: SpeculationGate, steps: int, spec_s: float, plain_s: float, tokens_on: int = 3,
-                batch: int = 1) -> list[str]:
+                batch: int = 1, guided: bool = False) -> list[str]:
     """Engine-like loop with a cost model: a speculative step takes spec_s and emits tokens_on tokens
-    (all 3 drafts kept), a plain step takes plain_s and emits one."""
+    (all 3 drafts kept), a plain step takes plain_s and emits one (guided: a grammar active)."""
     seen = []
     for _ in range(steps):
-        status = gate.decide(batch)
+        status = gate.decide(batch, guided)
         seen.append(status)
         if status == "on":
             gate.observe(3, tokens_on - 1)
-            gate.observe_time("on", batch, spec_s, tokens_on)
+            gate.observe_time("on", batch, spec_s, tokens_on, guided=guided)
         else:
-            gate.observe_time(status, batch, plain_s, 1)
+            gate.observe_time(status, batch, plain_s, 1, guided=guided)
     return seen
 
 
