@@ -8,7 +8,8 @@ decode step replays) over enough copies of each weight that it streams from HBM,
 One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), silu_mul (F.silu(gate)
 * up against one kernel), o and down (linear then a residual add, against the GEMM with the residual
 as its C operand), and the products through `mma` with their neighbours (qkv and gate_up: RMSNorm +
-product; o: product + residual; down: SiLU * up + product + residual, against the torch ops), with
+product; o: product + residual; down: SiLU * up + product + residual, against the torch ops; the lm_head
+and a hybrid's Mamba in_proj / out_proj, plain products, against F.linear), with
 torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's weight bytes per
 second. A side that adds to the residual in place also copies it each call (~2 us). --sweep also
 times tile configurations of mma at one and four rows (sweep: [[config, us, us at four rows], ...],
@@ -83,6 +84,23 @@ def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
         out[name] = ([lambda w=w, a=a: h + F.linear(a(), w) for w in ws],
                      [lambda w=w, x=x, swiglu=swiglu: D.mma(x, w, swiglu=swiglu, residual=h.clone(), config=config)
                       for w in ws], d * k * 2)
+    for name, n, k in _plain_products(cfg):  # exact_linear's: no neighbours carried
+        ws = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(_copies(n * k * 2, dev))]
+        x = torch.randn(m, k, device=dev, dtype=dt)
+        out[name] = ([lambda w=w, x=x: F.linear(x, w) for w in ws],
+                     [lambda w=w, x=x: D.mma(x, w, config=config) for w in ws], n * k * 2)
+    return out
+
+
+def _plain_products(cfg) -> list[tuple[str, int, int]]:
+    """(piece, N, K) of the products `ops.linear.exact_linear` runs on `mma`: the lm_head, and a hybrid's
+    Mamba in_proj (z, x, B, C, dt) and out_proj."""
+    d = cfg.hidden_size
+    out = [("lm_head_mma", cfg.vocab_size, d)]
+    if getattr(cfg, "mamba_n_heads", None):
+        inner, heads = cfg.mamba_n_heads * cfg.mamba_d_head, cfg.mamba_n_heads
+        out += [("in_proj_mma", 2 * inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state + heads, d),
+                ("out_proj_mma", d, inner)]
     return out
 
 
@@ -111,13 +129,13 @@ def _time_us(fns: list, dev: str = "cuda") -> float:
     return best
 
 
-def _sweep(cfg, dt, dev: str) -> dict[str, list]:
+def _sweep(cfg, dt, dev: str, only: list[str] | None = None) -> dict[str, list]:
     """piece -> [[config, us at one row, us at four rows], ...] of mma over a grid of configurations."""
     out: dict[str, list] = {}
     for bn, bk, split in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8)):
         config = (bn, bk, 4, 3, split)
         one, four = _mma_pieces(cfg, 1, dt, dev, config), _mma_pieces(cfg, 4, dt, dev, config)
-        for name in one:
+        for name in (n for n in one if not only or n in only):
             try:
                 out.setdefault(name, []).append([config, round(_time_us(one[name][1], dev), 2),
                                                  round(_time_us(four[name][1], dev), 2)])
@@ -131,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-3b", "smollm2-135m"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--pieces", nargs="+", default=None, help="only these pieces (e.g. in_proj_mma lm_head_mma)")
     p.add_argument("--results", default=None)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
@@ -140,9 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     commit, device = git_commit(), device_name(dev)
     for shape in args.shapes:
-        best = _sweep(shape_config(shape), dt, dev) if args.sweep else {}
+        best = _sweep(shape_config(shape), dt, dev, args.pieces) if args.sweep else {}
         for m in args.rows:
             for name, (torch_path, fused, nbytes) in _pieces(shape_config(shape), m, dt, dev).items():
+                if args.pieces and name not in args.pieces:
+                    continue
                 f_us = _time_us(fused, dev)
                 row = {"bench": "fused_products", "shape": shape, "piece": name, "rows": m, "dtype": str(dt)[6:],
                        "torch_us": round(_time_us(torch_path, dev), 2), "fused_us": round(f_us, 2),

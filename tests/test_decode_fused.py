@@ -140,8 +140,13 @@ def test_fused_products_bench_runs_and_agrees(tmp_path, capsys) -> None:
     out = tmp_path / "rows.jsonl"
     fused_products.main(["--shapes", "tiny-llama", "--rows", "1", "3", "--device", "cpu", "--results", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["piece"] for r in rows} == {"norm", "silu_mul", "o", "down", "qkv_mma", "gate_up_mma", "o_mma", "down_mma"}
-    assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 16
+    assert {r["piece"] for r in rows} == {"norm", "silu_mul", "o", "down", "qkv_mma", "gate_up_mma", "o_mma", "down_mma",
+                                          "lm_head_mma"}
+    assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 18
+    fused_products.main(["--shapes", "tiny-bamba", "--rows", "2", "--device", "cpu", "--results", str(out),
+                         "--pieces", "in_proj_mma", "out_proj_mma"])  # a hybrid's Mamba products (exact_linear's)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["shape"], r["piece"]) for r in rows[18:]] == [("tiny-bamba", "in_proj_mma"), ("tiny-bamba", "out_proj_mma")]
     assert all(r["max_abs_diff"] < 1e-4 for r in rows), [(r["piece"], r["max_abs_diff"]) for r in rows]
     assert all(r["weight_mb"] > 0 for r in rows if r["piece"] not in ("norm", "silu_mul"))
 
