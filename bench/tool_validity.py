@@ -193,7 +193,8 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
     same = lambda a, b: sum(x == y for x, y in zip(tokens[a], tokens[b])) / len(prompts)  # noqa: E731
     gate = engines["spec"].gate.snapshot()  # under auto: what it judged per bucket, free and guided
     return {"bench": "grammar_speed", "mode": mode, "k": k, "policy": policy, "dtype": dtype,
-            **({"measured_speedup": gate["measured_speedup"], "slow_buckets": gate["slow_buckets"]} if policy == "auto" else {}), "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
+            **({"measured_speedup": gate["measured_speedup"], "slow_buckets": gate["slow_buckets"],
+                "step_times": engines["spec"].step_times.as_dict()} if policy == "auto" else {}), "specialist": Path(model_dir).name, **checkpoint_id(Path(model_dir)),
             "device": device_name(device), "commit": git_commit(), "requests": len(rows), "batch_size": 1,
             "max_tokens": max_tokens, "repeat": repeat, "interleaved": True,
             "speedup_free": round(free, 3), "speedup_grammar": round(constrained, 3),

@@ -2,7 +2,7 @@
 
 mode "on" -> "on", "off" -> "off". mode "auto" -> "on" until either the rolling acceptance
 (accepted / drafted over the last ``window`` drafted tokens, judged only once ``window`` tokens were
-drafted since the last reset) falls below ``min_acceptance``, or the running batch exceeds
+drafted since the last reset) falls below ``min_acceptance`` (only where time does not judge, below), or the running batch exceeds
 ``max_running_batch``; then "fallback" for ``cooldown_s`` seconds, after which the gate probes
 ("on") again with a fresh window. The engine calls ``decide`` once per step and ``observe`` after
 each speculative step; ``set_policy`` may come from another thread (Serve's reconfigure, the admin API).
@@ -53,6 +53,12 @@ REFRESH_EVERY = 256
 # no step time is reported within this many steps of a prefill: those run up to 2x slower (caches refill;
 # build b8 CPU 1.86, 1.29, 1.05, then 0.9 ms), and a baseline taken there judged build's b8 faster speculating
 SETTLE_STEPS = 3
+# a bucket is judged slow below min_speedup x (1 - SLOW_MARGIN / sqrt(its speculative steps)): a figure of
+# a few steps is noisy (a speculative step's tokens vary 1..K+1), and a slow verdict holds cooldown_s or
+# more. python's free replies at batch 1 (CPU) were judged slow at 0.99 after 22 steps and at 0.75
+# after 9 where speculation ran 1.27x faster over the run (s18); a bucket at 0.35-0.6 (the toys at batch
+# 8 on an H100) is still judged slow within its first window (the margin is 0.35 at 2 steps, 0.06 at 64)
+SLOW_MARGIN = 0.5
 HELD_EVERY = 8  # a held slow verdict: one plain step in 8 timed (~8 us of bookkeeping a step, ~1% at CPU b8)
 
 
@@ -187,8 +193,15 @@ class SpeculationGate:
             if self._policy.mode != "auto" or not self._window.full:
                 return
             rate = self._window.rate
-            if rate is not None and rate < self._policy.auto.min_acceptance:
+            if rate is not None and rate < self._policy.auto.min_acceptance and not self._time_judges():
                 self._fall_back("low_acceptance")
+
+    def _time_judges(self) -> bool:  # under the lock
+        """Whether time judges this gate (min_speedup > 0 and the engine reports step times): then a low
+        rolling acceptance is no verdict of its own. The figure that matters is seconds per token, and a
+        window of poor drafts (free JSON text, python: 0.27-0.30 acceptance dipping under 0.1) held a
+        whole cooldown_s without speculation where it ran 1.27x faster (bench.tool_validity, CPU, s18)."""
+        return self._timed and self._policy.auto.min_speedup > 0
 
     def k_for(self, batch: int, guided: bool = False) -> int:
         """K for a speculative step at this batch size: num_speculative_tokens, or with auto.k_choices
@@ -241,7 +254,8 @@ class SpeculationGate:
         """Bucket b's verdict from its figures: slow -> fallback for the bucket's cooldown. -> slow?"""
         gating = self._policy.auto
         speedup = self._speedup(b)
-        if speedup is not None and speedup < gating.min_speedup:
+        steps = self._spec_spt[b].count if b in self._spec_spt else 0
+        if speedup is not None and speedup < gating.min_speedup * (1 - SLOW_MARGIN / max(1, steps) ** 0.5):
             last = self._reprobe.pop(b, None)  # slow again after a re-probe: wait twice as long
             cooldown = gating.cooldown_s if last is None else min(8 * gating.cooldown_s, 2 * last)
             self._slow[b] = (self._clock() + cooldown, cooldown)

@@ -32,7 +32,7 @@ class TypicalAcceptance(_Frozen):
 class AutoGating(_Frozen):
     """When mode is "auto": stop speculating (fallback) when it does not pay, probe again later."""
 
-    min_acceptance: float = Field(0.1, ge=0.0, le=1.0)  # rolling accepted/drafted below this -> fallback (a floor: time judges)
+    min_acceptance: float = Field(0.1, ge=0.0, le=1.0)  # rolling accepted/drafted below this -> fallback (only with min_speedup 0: else time judges)
     window: int = Field(64, ge=1, le=1_000_000)  # drafted tokens in the rolling window (judged when full)
     max_running_batch: int = Field(8, ge=1)  # running sequences above this -> fallback
     cooldown_s: float = Field(10.0, ge=0.0)  # seconds in fallback before probing again

@@ -178,3 +178,41 @@ def test_the_engine_tells_the_gate_which_steps_a_grammar_guides() -> None:
     seen.clear()
     eng.generate([ids], SamplingParams(max_tokens=12, grammar=eng.grammar(GrammarSpec(kind="json_object"))))
     assert len(seen) >= 2 and all(seen)
+
+
+def test_under_the_time_gate_a_window_of_poor_drafts_is_no_verdict() -> None:
+    """With the time gate on and step times reported, a rolling acceptance under min_acceptance does not
+    stop speculation for a cooldown: seconds per token judge (here speculation runs 0.15 s a token
+    against 0.2 plain, with 1 draft in 5 kept). With min_speedup 0 the floor still falls back."""
+    def run(min_speedup: float) -> list[str]:
+        gate = SpeculationGate(auto_policy(min_acceptance=0.5, window=6, min_speedup=min_speedup, baseline_steps=4), Clock())
+        seen = []
+        for _ in range(30):
+            status = gate.decide(1)
+            seen.append(status)
+            if status == "on":
+                gate.observe(5, 1)
+                gate.observe_time("on", 1, 0.3, 2)
+            else:
+                gate.observe_time(status, 1, 0.2, 1)
+        return seen
+    timed = run(1.0)
+    assert timed[-10:] == ["on"] * 10 and "fallback" in timed  # its baseline, then speculating on
+    assert run(0.0)[-10:] == ["fallback"] * 10  # acceptance alone: the floor holds for cooldown_s
+
+
+def test_a_slow_verdict_waits_for_evidence_in_proportion_to_the_loss() -> None:
+    """A bucket is judged slow below min_speedup x (1 - SLOW_MARGIN / sqrt(speculative steps)): at 0.5x
+    the first judgement (2 speculative steps) says slow; at 0.9x speculation goes on until ~26 steps
+    make the figure trustworthy (a few steps' tokens vary 1..K+1, and a verdict holds cooldown_s)."""
+    from policies.gate import SLOW_MARGIN
+
+    def first_slow(spec_s: float) -> int:
+        gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, baseline_steps=4), Clock())
+        seen = timed_steps(gate, 60, spec_s=spec_s, plain_s=0.1)
+        assert gate.snapshot()["slow_buckets"] == {1: 10.0}
+        return seen[:seen.index("fallback", 6)].count("on")  # speculative steps before the verdict
+
+    assert first_slow(0.6) == 2  # 0.5x: at the baseline's end
+    n = first_slow(1 / 3)  # 0.9x
+    assert (1 - SLOW_MARGIN / n ** 0.5) > 0.9 >= (1 - SLOW_MARGIN / (n - 1) ** 0.5) and 20 <= n <= 30
