@@ -91,7 +91,7 @@ def _drive_fallback(eng: Engine, fallback_steps: int, total: int) -> tuple[str, 
     """One greedy request whose first `fallback_steps` steps (its prefill included) run under the
     gate's fallback: plain steps that skip the rebuild while speculation is expected back."""
     decide = eng.gate.decide
-    eng.gate.decide = lambda batch: "fallback" if eng.steps < fallback_steps else decide(batch)
+    eng.gate.decide = lambda batch, guided=False: "fallback" if eng.steps < fallback_steps else decide(batch, guided)
     return _drive(eng, range(0), total)
 
 
