@@ -110,6 +110,11 @@ class PagedDrafter:
         """Whether a static chain writes its chained entries into the pool (the fused one does)."""
         return self.fused is not None
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """The drafter's entries of block src into block dst (specialists/draft_marks.py)."""
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
     def _unit(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] -> RMSNorm without its gain (that is in the next weight)
         if self._cpu:  # x / |x|: the sqrt(d) is in the weight too
             return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + 1e-12)

@@ -81,6 +81,7 @@ class Engine:
         if drafter is None and policy.mode != "off":
             raise MissingDrafterError("speculation needs an MTP drafter; pass one or use mode 'off'")
         self.gate = SpeculationGate(policy, paired=not self.runner.static)  # multi-step graphs: block baselines
+        self.scheduler.mark_drafts(self.drafter.copy_block if self.drafter is not None and prefix else None)
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
         self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
         self.scheduler.draft_lookahead = self.speculator.ahead_pool
@@ -90,8 +91,7 @@ class Engine:
         ids = {name: tok(name) for name in ("<tool_call>", "</tool_call>")}
         ids = {k: (v if isinstance(v, int) and v != unk else None) for k, v in ids.items()}
         self.eos_ids, self.triggers = eos, TriggerSet(frozenset(eos), ids["<tool_call>"], ids["</tool_call>"])
-        self.totals = SpecStats()
-        self.step_times = StepTimes()
+        self.totals, self.step_times = SpecStats(), StepTimes()
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}
@@ -227,7 +227,7 @@ class Engine:
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         k = min(self.gate.k_for(batch, guided), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
         self._plan_drafts(k, multi)
-        step = sched.schedule()
+        step = sched.schedule(speculating=status == "on")
         if step.empty:
             if sched.has_unfinished():
                 raise RuntimeError("no sequence could be scheduled: the KV cache is too small for the waiting requests")
@@ -251,7 +251,7 @@ class Engine:
         outs = [self._emit(row.seq, run[:n], event) for row, run, n, event in zip(rows, out.runs, kept, events)]
         t_commit = time.perf_counter() - t0
         for row in rows:
-            row.seq.draft_ok = rebuild
+            row.seq.draft_ok, row.seq.drafted_all = rebuild, row.seq.drafted_all and rebuild
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
             if row.seq.status is Status.FINISHED:
                 self.speculator.forget(row.seq.seq_id)

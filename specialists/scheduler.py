@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -25,6 +26,7 @@ from state.block_pool import NoFreeBlocksError
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
 from state.ssm_snapshots import SSMSnapshots
+from specialists.draft_marks import DraftMarks
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class Sequence:
     in_tool: bool = False  # inside a tool-call segment: decoded without speculation
     guide: Any = None  # spec.grammar.Guide: the request's grammar (None: free text)
     draft_ok: bool = False  # the drafter's entries cover every committed token
+    drafted_all: bool = True  # every step wrote them and its prefix hit had them (specialists/draft_marks.py)
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
@@ -109,6 +112,8 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
+        self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
+        self.speculating = False  # the step being scheduled speculates: hits end on blocks with drafter entries
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,12 +121,26 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def mark_drafts(self, copy_block: Callable[[int, int], None] | None) -> None:
+        """Track which cached blocks hold the drafter's entries (given the drafter's block copy: an engine
+        with a drafter and the prefix cache)."""
+        self.draft_marks = DraftMarks(self.kv, copy_block) if copy_block is not None else None
+
+    def _usable(self) -> Callable[[int], bool] | None:
+        """Where a prefix hit may end: a hybrid's at a kept Mamba state, a speculating step's on blocks
+        that hold the drafter's entries too; None: anywhere."""
+        checks = [self.snapshots.has] if self.snapshots is not None else []
+        if self.draft_marks is not None and self.speculating:
+            checks.append(self.draft_marks.usable)
+        return None if not checks else checks[0] if len(checks) == 1 else (lambda e: all(f(e) for f in checks))
+
     def guided(self) -> bool:
         """Whether a grammar is active in a running sequence or in one the next step admits."""
         admitted = itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
         return any(seq.guide is not None and seq.guide.active for seq in itertools.chain(self.running, admitted))
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, speculating: bool = False) -> ScheduledStep:
+        self.speculating = speculating
         decodes = self._schedule_decodes()
         prefills: list[tuple[Sequence, list[int]]] = []
         budget = self.max_num_batched_tokens - len(decodes)
@@ -132,7 +151,9 @@ class Scheduler:
                 break
             if not self.kv.can_allocate(len(ids) + 1) or (self.ssm is not None and self.ssm.num_free() == 0):
                 break
-            cached = self.kv.add_sequence(seq.seq_id, ids, self.snapshots.has if self.snapshots is not None else None)
+            cached = self.kv.add_sequence(seq.seq_id, ids, self._usable())
+            if cached and self.draft_marks is not None and not self.draft_marks.hit_marked(seq.seq_id, cached):
+                seq.drafted_all = False
             try:
                 self.kv.reserve(seq.seq_id, len(ids) - cached)
             except NoFreeBlocksError:
@@ -179,7 +200,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """A running sequence is done: its blocks and slot are freed."""
+        """A running sequence is done: its blocks and slot are freed (its drafter entries marked first)."""
+        if self.draft_marks is not None and seq.drafted_all:
+            self.draft_marks.mark(seq.seq_id)
         self._release(seq)
         seq.finish(reason)
 

@@ -119,6 +119,18 @@ class KVCache:
         h, entry = chain[block_index]
         return entry if self.prefix.is_live(h, entry) else None
 
+    def cached_block(self, seq_id: int, block_index: int) -> tuple[int | None, int]:
+        """(live entry id, the block that entry stands on) for the sequence's committed full block
+        `block_index`: another block than the sequence's own where identical content was cached first.
+        (None, -1) when not in the cache."""
+        entry = self.entry_id(seq_id, block_index)
+        if entry is None:
+            return None, -1
+        return entry, self.prefix.block_of(self._seq(seq_id).chain[block_index][0])
+
+    def live_entry_ids(self) -> set[int]:
+        return {e.entry_id for e in self.prefix.entries()}
+
     def slot_mapping(self, seq_id: int, start: int, n: int) -> list[int]:
         """Flat slots (block_id * block_size + offset) of positions start..start+n-1, all reserved."""
         s = self._seq(seq_id)

@@ -44,6 +44,10 @@ class PrefixCache:
     def entry_of_block(self, block_id: int) -> CacheEntry | None:
         return self._by_block.get(block_id)
 
+    def block_of(self, block_hash: int) -> int:
+        """The block of the live entry of that hash (KeyError if none)."""
+        return self._by_hash[block_hash].block_id
+
     def is_live(self, block_hash: int, entry_id: int) -> bool:
         """Whether entry `entry_id` (of that hash) is still in the cache."""
         e = self._by_hash.get(block_hash)
