@@ -11,6 +11,8 @@ import torch
 
 from specialists.provenance import git_commit
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype of the benches
+
 __all__ = ["checkpoint_id", "device_name", "git_commit", "prompt_text", "read_jsonl", "record"]
 
 

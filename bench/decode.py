@@ -53,18 +53,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoModelForCausalLM
 
 from bench import prefix_ttft
-from bench.common import checkpoint_id, device_name, git_commit, prompt_text, read_jsonl, record
+from bench.common import DTYPES, checkpoint_id, device_name, git_commit, prompt_text, read_jsonl, record
 from bench.decode_shape import add_arguments, bound_figures, prepare_shape, shape_names
 from bench.decode_sides import Sides, timed, timed_engines, warm_up
 
 log = logging.getLogger("bench.decode")
 
 PROMPT_TOKENS = 256
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _batches(items: list, size: int) -> list[list]:

@@ -37,9 +37,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.common import checkpoint_id, device_name, git_commit, read_jsonl, record
+from bench.common import DTYPES, checkpoint_id, device_name, git_commit, read_jsonl, record
 from router.api import ChatCompletionRequest
 from router.limits import RequestLimits
 from router.tools import ToolPlan, extract_tool_calls, plan_tools, response_grammar, to_template_messages
@@ -154,7 +152,7 @@ def speed(model_dir: str, rows: list[dict], mode: str, max_tokens: int, k: int, 
 
     # no prefix cache: a round's prefills must repeat the first's (in half precision a prefill over a cached
     # prefix runs other products than the whole prompt's, and a near-tie may then go another way)
-    opts = {"device": device, "dtype": getattr(torch, dtype), "enable_prefix_cache": False}
+    opts = {"device": device, "dtype": DTYPES[dtype], "enable_prefix_cache": False}
     engines = {"spec": Engine.from_pretrained(model_dir, **opts, policy=SpeculationPolicy(mode=policy, num_speculative_tokens=k)),
                "plain": Engine.from_pretrained(model_dir, **opts, policy=SpeculationPolicy(mode="off"))}
     for eng in engines.values():
@@ -242,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-k", type=int, default=3, help="with --speed: drafts per step")
     ap.add_argument("--repeat", type=int, default=1, help="with --speed: rounds over the requests (each must repeat its tokens)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--policy", choices=["on", "auto"], default="on",
                     help="with --speed: the speculative engine's mode (auto: the gate judges free and guided steps apart)")
     args = ap.parse_args(argv)

@@ -113,7 +113,6 @@ class Scheduler:
         self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
         self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
-        self.speculating = False  # the step being scheduled speculates: hits end on blocks with drafter entries
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -126,11 +125,11 @@ class Scheduler:
         with a drafter and the prefix cache)."""
         self.draft_marks = DraftMarks(self.kv, copy_block) if copy_block is not None else None
 
-    def _usable(self) -> Callable[[int], bool] | None:
+    def _usable(self, speculating: bool) -> Callable[[int], bool] | None:
         """Where a prefix hit may end: a hybrid's at a kept Mamba state, a speculating step's on blocks
         that hold the drafter's entries too; None: anywhere."""
         checks = [self.snapshots.has] if self.snapshots is not None else []
-        if self.draft_marks is not None and self.speculating:
+        if self.draft_marks is not None and speculating:
             checks.append(self.draft_marks.usable)
         return None if not checks else checks[0] if len(checks) == 1 else (lambda e: all(f(e) for f in checks))
 
@@ -140,7 +139,9 @@ class Scheduler:
         return any(seq.guide is not None and seq.guide.active for seq in itertools.chain(self.running, admitted))
 
     def schedule(self, speculating: bool = False) -> ScheduledStep:
-        self.speculating = speculating
+        """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
+        hold the drafter's entries)."""
+        usable = self._usable(speculating)
         decodes = self._schedule_decodes()
         prefills: list[tuple[Sequence, list[int]]] = []
         budget = self.max_num_batched_tokens - len(decodes)
@@ -151,7 +152,7 @@ class Scheduler:
                 break
             if not self.kv.can_allocate(len(ids) + 1) or (self.ssm is not None and self.ssm.num_free() == 0):
                 break
-            cached = self.kv.add_sequence(seq.seq_id, ids, self._usable())
+            cached = self.kv.add_sequence(seq.seq_id, ids, usable)
             if cached and self.draft_marks is not None and not self.draft_marks.hit_marked(seq.seq_id, cached):
                 seq.drafted_all = False
             try:
