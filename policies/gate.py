@@ -261,9 +261,9 @@ class SpeculationGate:
             self._slow[b] = (self._clock() + cooldown, cooldown)
             self._fall_back("slow")
             return True
-        if speedup is not None:
-            self._reprobe.pop(b, None)
-        return False
+        if speedup is not None and speedup >= gating.min_speedup:  # judged fast: a later slow verdict starts the
+            self._reprobe.pop(b, None)  # backoff afresh (a figure still inside the margin is no such judgement:
+        return False  # clearing it there kept build's b8 re-probing every 10 s, CPU, s19)
 
     def speedup(self, batch: int = 1, guided: bool = False) -> float | None:  # plain over speculative s/token at batch's bucket
         with self._lock:

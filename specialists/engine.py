@@ -233,9 +233,8 @@ class Engine:
                 raise RuntimeError("no sequence could be scheduled: the KV cache is too small for the waiting requests")
             return []
         now = time.monotonic()
-        for seq, _ in step.prefills:
-            if seq.stats.first_scheduled_time is None:
-                seq.stats.first_scheduled_time = now
+        for seq in (seq for seq, _ in step.prefills if seq.stats.first_scheduled_time is None):
+            seq.stats.first_scheduled_time = now
         typical = TypicalParams(policy.typical.epsilon, policy.typical.delta)
         if self.snapshots is not None:  # a hybrid's prefills keep their states at block boundaries
             self.snapshots.plan(step.prefills)
@@ -246,12 +245,13 @@ class Engine:
             events[i] = "grammar_error"
         pending = self.snapshots.capture(rows, kept) if self.snapshots is not None else []
         self.speculator.commit(rows, out, kept, rebuild)  # KV and SSM at exactly the kept tokens
+        for row in rows:  # before _emit: a sequence that finishes marks its blocks by drafted_all
+            sched.drafter_wrote(row.seq, rebuild)
         if pending:  # the committed blocks' entries exist now
             self.snapshots.store(pending)
         outs = [self._emit(row.seq, run[:n], event) for row, run, n, event in zip(rows, out.runs, kept, events)]
         t_commit = time.perf_counter() - t0
         for row in rows:
-            row.seq.draft_ok, row.seq.drafted_all = rebuild, row.seq.drafted_all and rebuild
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
             if row.seq.status is Status.FINISHED:
                 self.speculator.forget(row.seq.seq_id)

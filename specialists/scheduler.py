@@ -207,6 +207,11 @@ class Scheduler:
         self._release(seq)
         seq.finish(reason)
 
+    def drafter_wrote(self, seq: Sequence, rebuilt: bool) -> None:
+        """After a step's commit, before its outputs (a sequence that finishes there marks its blocks by
+        drafted_all): whether the drafter wrote seq's entries this step."""
+        seq.draft_ok, seq.drafted_all = rebuilt, seq.drafted_all and rebuilt
+
     def abort_waiting(self, seq: Sequence) -> None:
         """A waiting sequence is dropped (it holds no blocks or slot)."""
         self.waiting.remove(seq)

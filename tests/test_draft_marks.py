@@ -44,3 +44,23 @@ def test_a_prefix_cached_by_plain_steps_is_hit_once_the_drafter_wrote_it(name: s
         assert third[3] > 0 and third[0] == ref[0] == plain[0]
         assert third[2] >= ref[2] - 2  # acceptance as without a cache (not the ~40% lower of a bare hit)
     assert eng.scheduler.draft_marks.copied > 0
+
+
+
+def test_a_request_that_ends_in_its_first_plain_step_marks_nothing() -> None:
+    """A request that finishes in the step of its prefill (max_tokens 1) under the gate's fallback wrote
+    no drafter entries: its blocks stay unmarked, and a speculating request with that prompt computes it
+    again (drafted_all was updated after the outputs, so such a request marked its blocks as holding
+    entries nobody wrote, and a later hit drafted over them)."""
+    model = ROOT / "deploy" / "models" / "build"
+    eng = Engine.from_pretrained(model, max_num_seqs=1, policy=SpeculationPolicy(mode="auto", num_speculative_tokens=3))
+    prompt = eng.tokenizer(read_jsonl(ROOT / "bench" / "data" / "build" / "prompts.jsonl", 1)[0]["prompt"],
+                           add_special_tokens=False)["input_ids"]
+    decide = eng.gate.decide
+    eng.gate.decide = lambda batch, guided=False: "fallback"
+    eng.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    eng.gate.decide = decide
+    eng.set_policy(OFF)
+    assert _run(eng, prompt)[3] > 0  # the blocks are cached: a plain step hits them
+    eng.set_policy(ON)
+    assert _run(eng, prompt)[3] == 0  # not marked: a speculating step computes them again

@@ -216,3 +216,28 @@ def test_a_slow_verdict_waits_for_evidence_in_proportion_to_the_loss() -> None:
     assert first_slow(0.6) == 2  # 0.5x: at the baseline's end
     n = first_slow(1 / 3)  # 0.9x
     assert (1 - SLOW_MARGIN / n ** 0.5) > 0.9 >= (1 - SLOW_MARGIN / (n - 1) ** 0.5) and 20 <= n <= 30
+
+
+def test_the_backoff_survives_a_reprobe_that_takes_several_steps_to_judge() -> None:
+    """A bucket that loses by little (0.85x) is judged slow only after several speculative steps (the
+    margin shrinks with their number); the judgements before, inside the margin, are no verdict that
+    it pays, so its re-probes still back off: 10, 20, 40 s. (They cleared the backoff: build's batch
+    8 on the CPU re-probed every 10 s, each re-probe paying the drafter's catch-up.)"""
+    clock = Clock()
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16,
+                                       cooldown_s=10.0, baseline_steps=4), clock)
+    spec_s = 3 * 0.1 / 0.85  # 3 tokens a step at 0.85x plain's 0.1 s a token
+    cooldowns = []
+    for _ in range(4):
+        seen = timed_steps(gate, 200, spec_s=spec_s, plain_s=0.1, batch=8)
+        assert seen[-1] == "fallback" and gate.reason == "slow"
+        assert seen.count("on") > 6  # not judged within its first window: a margin of evidence first
+        cooldowns.append(gate.snapshot()["slow_buckets"][8])
+        clock.now += cooldowns[-1] + 0.5
+    assert cooldowns == [10.0, 20.0, 40.0, 80.0]
+    # a re-probe that finds the bucket paying clears the backoff
+    timed_steps(gate, 40, spec_s=0.25, plain_s=0.1, batch=8)
+    assert gate.status == "on" and gate.snapshot()["slow_buckets"] == {}
+    clock.now += 1
+    timed_steps(gate, 200, spec_s=spec_s, plain_s=0.1, batch=8)
+    assert gate.snapshot()["slow_buckets"] == {8: 10.0}
