@@ -45,7 +45,7 @@ from specialists.options import EngineConfig
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
 from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
-                                 exact_rows)
+                                 exact_rows, stage_rows)
 from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
 from state.transfer import device_ints
@@ -84,6 +84,7 @@ class _Layout:
     q_pad: int  # tokens per padding row
     width: int  # block table width
     static: bool
+    uniform: bool = False  # no prefill, every row q_pad tokens
 
 
 class Runner:
@@ -146,7 +147,7 @@ class Runner:
         starts = [self.kv.num_computed(r.seq_id) for r in rows]
         tables = [self.kv.block_table(r.seq_id) for r in rows]
         lay = self._layout(rows, tables, static)
-        n_logits = self._write_rows(rows, starts, tables, lay)
+        n_logits = stage_rows(self.inputs, rows, starts, tables, lay, self.kv.block_size)
         if lay.Bp > lay.B:
             self._pad_rows(lay.B, lay.Bp, lay.T, lay.q_pad, lay.static, lay.width)
         self.inputs.upload()
@@ -187,45 +188,7 @@ class Runner:
         self.inputs.ensure(T + pad * q, B + pad, width)
         if static:  # the full width: a graph's views do not depend on the step
             width = self.inputs.max_blocks
-        return _Layout(B=B, T=T, Bp=B + pad, Tp=T + pad * q, q_pad=q, width=width, static=static)
-
-    def _write_rows(self, rows: list[BatchRow], starts: list[int], tables: list[list[int]], lay: _Layout) -> int:
-        """Stages every real row (tokens, positions, slots, table, context); -> its logits rows. Whole
-        arrays at once: one Python pass over the rows builds the flat token and table lists."""
-        inp, bs, B = self.inputs, self.kv.block_size, len(rows)
-        ids, pos, slots, tseq, tq, lidx = (inp.staging(f, lay.Tp) for f in StaticInputs.TOKEN_FIELDS)
-        qsl = inp.staging("query_start_loc", lay.Bp + 1)
-        tab = inp.tables(lay.Bp, lay.width)
-        tab[:] = 0
-        q = np.fromiter((row.q for row in rows), np.int64, B)
-        end = np.asarray(starts, dtype=np.int64) + q
-        lens = np.fromiter(map(len, tables), np.int64, B)
-        short = np.flatnonzero(lens * bs < end)
-        if short.size:
-            b = int(short[0])
-            raise ValueError(f"seq {rows[b].seq_id}: block table covers {lens[b] * bs} < {end[b]} positions")
-        qsl[0] = 0
-        np.cumsum(q, out=qsl[1:B + 1])
-        T = int(qsl[B])
-        flat_ids: list[int] = []
-        flat_tab: list[int] = []
-        for row, table in zip(rows, tables):
-            flat_ids += row.tokens
-            flat_ids += [0] * (row.q - len(row.tokens))  # the drafts' places: `run` puts them in on the device
-            flat_tab += table
-        ids[:T] = flat_ids
-        tab[np.repeat(np.arange(B), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)] = flat_tab
-        tseq[:T] = np.repeat(np.arange(B), q)
-        tq[:T] = np.arange(T) - np.repeat(qsl[:B], q)
-        pos[:T] = np.repeat(end - q, q) + tq[:T]
-        slots[:T] = tab[tseq[:T], pos[:T] // bs] * bs + pos[:T] % bs
-        inp.staging("context_lens", lay.Bp)[:B] = end
-        inp.staging("ssm_slots", lay.Bp)[:B] = [row.ssm_slot for row in rows]
-        # a prefill wants its last token's logits, a decode / verify every token's
-        prefill = np.fromiter((row.prefill for row in rows), bool, B)
-        keep = np.flatnonzero(~np.repeat(prefill, q) | (tq[:T] == np.repeat(q - 1, q)))
-        lidx[:keep.size] = keep
-        return int(keep.size)
+        return _Layout(B=B, T=T, Bp=B + pad, Tp=T + pad * q, q_pad=q, width=width, static=static, uniform=uniform)
 
     def _views(self, lay: _Layout, nb: int, nt: int, nl: int, seq_ids: list[int], qlens: list[int],
                is_prefill: list[bool], max_ctx: int) -> ForwardBatch:

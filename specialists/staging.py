@@ -1,6 +1,7 @@
 """The runner's static input buffers (specialists/runner.py): every index tensor of a batch is a view
 into one int64 buffer allocated once and grown only when a step needs more room; the host fills a
-staging copy and the device gets it in one copy (on CPU the staging buffer is the device buffer)."""
+staging copy and the device gets it in one copy (on CPU the staging buffer is the device buffer);
+`stage_rows` writes a step's rows into the staging copy."""
 
 from __future__ import annotations
 
@@ -62,6 +63,61 @@ class StaticInputs:
         """One host -> device copy of everything a step needs (on CPU the staging buffer is the device's)."""
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
+
+
+
+def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[list[int]], lay, bs: int) -> int:
+    """Stages every real row of a step (specialists/runner.py's BatchRow: tokens, positions, slots, table,
+    context) into inp's host buffers, laid out as `lay` (the runner's _Layout); -> its logits rows. Whole
+    arrays at once: one Python pass over the rows builds the flat token and table lists."""
+    B = len(rows)
+    ids, pos, slots, tseq, tq, lidx = (inp.staging(f, lay.Tp) for f in StaticInputs.TOKEN_FIELDS)
+    qsl = inp.staging("query_start_loc", lay.Bp + 1)
+    tab = inp.tables(lay.Bp, lay.width)
+    tab[:] = 0
+    q = np.fromiter((row.q for row in rows), np.int64, B)
+    end = np.asarray(starts, dtype=np.int64) + q
+    lens = np.fromiter(map(len, tables), np.int64, B)
+    short = np.flatnonzero(lens * bs < end)
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"seq {rows[b].seq_id}: block table covers {lens[b] * bs} < {end[b]} positions")
+    flat_ids: list[int] = []
+    flat_tab: list[int] = []
+    for row, table in zip(rows, tables):
+        flat_ids += row.tokens
+        flat_ids += [0] * (row.q - len(row.tokens))  # the drafts' places: `run` puts them in on the device
+        flat_tab += table
+    inp.staging("context_lens", lay.Bp)[:B] = end
+    inp.staging("ssm_slots", lay.Bp)[:B] = [row.ssm_slot for row in rows]
+    if lay.uniform:  # decodes / verifies of one length (most steps): the same arrays, fewer numpy calls
+        Q, T = lay.q_pad, lay.T
+        qsl[:B + 1] = np.arange(0, (B + 1) * Q, Q)
+        ids[:T] = flat_ids
+        for b, table in enumerate(tables):
+            tab[b, :len(table)] = table
+        if Q == 1:
+            tseq[:T], tq[:T], pos[:T] = np.arange(B), 0, end - 1
+        else:
+            tseq[:T], tq[:T] = np.repeat(np.arange(B), Q), np.tile(np.arange(Q), B)
+            pos[:T] = np.repeat(end - Q, Q) + tq[:T]
+        slots[:T] = tab[tseq[:T], pos[:T] // bs] * bs + pos[:T] % bs
+        lidx[:T] = np.arange(T)  # every token's logits
+        return T
+    qsl[0] = 0
+    np.cumsum(q, out=qsl[1:B + 1])
+    T = int(qsl[B])
+    ids[:T] = flat_ids
+    tab[np.repeat(np.arange(B), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)] = flat_tab
+    tseq[:T] = np.repeat(np.arange(B), q)
+    tq[:T] = np.arange(T) - np.repeat(qsl[:B], q)
+    pos[:T] = np.repeat(end - q, q) + tq[:T]
+    slots[:T] = tab[tseq[:T], pos[:T] // bs] * bs + pos[:T] % bs
+    # a prefill wants its last token's logits, a decode / verify every token's
+    prefill = np.fromiter((row.prefill for row in rows), bool, B)
+    keep = np.flatnonzero(~np.repeat(prefill, q) | (tq[:T] == np.repeat(q - 1, q)))
+    lidx[:keep.size] = keep
+    return int(keep.size)
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
