@@ -65,11 +65,10 @@ class StaticInputs:
             self.dev.copy_(self.host, non_blocking=True)
 
 
-
 def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[list[int]], lay, bs: int) -> int:
     """Stages every real row of a step (specialists/runner.py's BatchRow: tokens, positions, slots, table,
     context) into inp's host buffers, laid out as `lay` (the runner's _Layout); -> its logits rows. Whole
-    arrays at once: one Python pass over the rows builds the flat token and table lists."""
+    arrays at once; steps of uniform rows (no prefill, one length) skip the general index arithmetic."""
     B = len(rows)
     ids, pos, slots, tseq, tq, lidx = (inp.staging(f, lay.Tp) for f in StaticInputs.TOKEN_FIELDS)
     qsl = inp.staging("query_start_loc", lay.Bp + 1)
@@ -82,37 +81,33 @@ def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[li
     if short.size:
         b = int(short[0])
         raise ValueError(f"seq {rows[b].seq_id}: block table covers {lens[b] * bs} < {end[b]} positions")
-    flat_ids: list[int] = []
-    flat_tab: list[int] = []
-    for row, table in zip(rows, tables):
-        flat_ids += row.tokens
-        flat_ids += [0] * (row.q - len(row.tokens))  # the drafts' places: `run` puts them in on the device
-        flat_tab += table
-    inp.staging("context_lens", lay.Bp)[:B] = end
-    inp.staging("ssm_slots", lay.Bp)[:B] = [row.ssm_slot for row in rows]
-    if lay.uniform:  # decodes / verifies of one length (most steps): the same arrays, fewer numpy calls
+    ids_flat: list[int] = []
+    for row in rows:
+        ids_flat += row.tokens
+        ids_flat += [0] * (row.q - len(row.tokens))  # the drafts' places: `run` puts them in on the device
+    if lay.uniform:  # decodes / verifies of one length (most steps): rows of Q tokens, every token's logits
         Q, T = lay.q_pad, lay.T
         qsl[:B + 1] = np.arange(0, (B + 1) * Q, Q)
-        ids[:T] = flat_ids
         for b, table in enumerate(tables):
             tab[b, :len(table)] = table
-        if Q == 1:
-            tseq[:T], tq[:T], pos[:T] = np.arange(B), 0, end - 1
-        else:
-            tseq[:T], tq[:T] = np.repeat(np.arange(B), Q), np.tile(np.arange(Q), B)
-            pos[:T] = np.repeat(end - Q, Q) + tq[:T]
-        slots[:T] = tab[tseq[:T], pos[:T] // bs] * bs + pos[:T] % bs
-        lidx[:T] = np.arange(T)  # every token's logits
-        return T
-    qsl[0] = 0
-    np.cumsum(q, out=qsl[1:B + 1])
-    T = int(qsl[B])
-    ids[:T] = flat_ids
-    tab[np.repeat(np.arange(B), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)] = flat_tab
-    tseq[:T] = np.repeat(np.arange(B), q)
-    tq[:T] = np.arange(T) - np.repeat(qsl[:B], q)
+        tseq[:T] = np.repeat(np.arange(B), Q) if Q > 1 else np.arange(B)
+        tq[:T] = np.tile(np.arange(Q), B) if Q > 1 else 0
+    else:
+        qsl[0] = 0
+        np.cumsum(q, out=qsl[1:B + 1])
+        T = int(qsl[B])
+        tab[np.repeat(np.arange(B), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)] = \
+            [b for table in tables for b in table]
+        tseq[:T] = np.repeat(np.arange(B), q)
+        tq[:T] = np.arange(T) - np.repeat(qsl[:B], q)
+    ids[:T] = ids_flat
     pos[:T] = np.repeat(end - q, q) + tq[:T]
     slots[:T] = tab[tseq[:T], pos[:T] // bs] * bs + pos[:T] % bs
+    inp.staging("context_lens", lay.Bp)[:B] = end
+    inp.staging("ssm_slots", lay.Bp)[:B] = [row.ssm_slot for row in rows]
+    if lay.uniform:
+        lidx[:T] = np.arange(T)
+        return T
     # a prefill wants its last token's logits, a decode / verify every token's
     prefill = np.fromiter((row.prefill for row in rows), bool, B)
     keep = np.flatnonzero(~np.repeat(prefill, q) | (tq[:T] == np.repeat(q - 1, q)))
