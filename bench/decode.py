@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                              "template with the generation prompt, kept whole (what the server feeds a chat model)")
     parser.add_argument("--decode-steps", type=int, default=None,
                         help="greedy decodes per static step of the plain engine (default: 4 with CUDA graphs, else 1)")
+    parser.add_argument("--no-decode-ahead", action="store_true",
+                        help="launch no plain step before the host has read the one before (spec/decode_ahead.py; "
+                             "default: on with CUDA graphs)")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="keep each prompt's last N tokens")
     parser.add_argument("--prefix-ttft", action="store_true",
                         help="TTFT of the first request against later ones sharing its prefix (bench/prefix_ttft.py)")
@@ -148,6 +151,7 @@ def _load(args: argparse.Namespace) -> Sides:
     def load(pol: Any) -> Any:
         return Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
                                       policy=pol, decode_steps=args.decode_steps, quantization=args.quantization,
+                                      decode_ahead=False if args.no_decode_ahead else None,
                                       draft_vocab_size=args.draft_vocab, draft_min_confidence=args.draft_min_confidence)
 
     # with --spec-k two identical engines, each running both sides in turn (the module's docstring says why)
@@ -193,7 +197,8 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     prefix_hits = args.spec_prefix_hits = hits() - hits_before  # both engines ran both sides alike
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
-              "quantization": sides.engine.cfg.quantization, "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
+              "quantization": sides.engine.cfg.quantization, "decode_ahead": sides.engine.stats["decode_ahead"],
+              "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
     t_hf = 0.0
     if not args.skip_hf:
         theirs, t_hf = timed(sides.run_hf, batches, args.device, "transformers")

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from spec.acceptance import Method, TypicalParams, accept, greedy_accept, pack, unpack
 from spec.catchup import CatchUp
+from spec.decode_ahead import DecodeAhead, HostCopies
 from spec.grammar import DraftMasks, StepMasks, active_guide, bitmask_words
 from spec.mask_buffers import MaskBuffers
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
@@ -51,8 +52,8 @@ class Speculator:
         self.ahead = drafter is not None and runner.static
         self.ahead_pool = self.ahead and drafter.chains_in_pool
         self._ahead: AheadChain | None = None
-        self._pinned: torch.Tensor | None = None  # host copy of a static step's packed output (CUDA)
-        self._done: Any = None  # torch.cuda.Event: that copy is done
+        self.copies = HostCopies()  # host copies of static steps' packed outputs (CUDA)
+        self.decoding = DecodeAhead(runner, kv, self.copies)  # plain multi-step decodes launched ahead
         self.ahead_used = self.ahead_missed = 0  # steps that used / could not use the drafts made ahead
         # grammar masks on a GPU: specialists/ops/grammar_mask.apply_bitmask (the engine sets it), and
         # the device copies of the closing preferences it adds; None: spec/grammar.py's torch ops
@@ -170,7 +171,7 @@ class Speculator:
         """The target's forward over the plan with the proposal's drafts (a static greedy step: with
         its acceptance and the drafter's rebuild in the graph) -> the runner's StepResult."""
         if plan.multi > 1:
-            return self.runner.run_multi(plan.rows, plan.multi)  # (tokens [Bp, S], packed [Bp, 2S])
+            return self.decoding.forward(plan)  # tokens [Bp, S], packed [Bp, 2S] (or the step decoded ahead)
         in_graph = self._rebuild_in_graph(plan)
         masks = None
         if plan.masks is not None and plan.static is not None and getattr(self.runner, "static_masks", None) is not None:
@@ -187,7 +188,7 @@ class Speculator:
         """Each row's kept drafts and target token (spec/acceptance.py), packed for the host; on the device."""
         B = len(plan.rows)
         if plan.multi > 1:  # every token of the multi-step decode is kept (the engine cuts the runs)
-            return Accepted(res[0][:B], res[1][:B])
+            return Accepted(res.tokens, res.packed)
         masked = res.static is not None and res.static.masked  # the graph applied the grammars' masks
         if res.static is not None and plan.greedy and (plan.masks is None or masked):  # the graph accepted and packed its rows
             return Accepted(res.static.best[:B * (plan.k + 1)].view(B, plan.k + 1), res.static.packed[:B])
@@ -214,7 +215,7 @@ class Speculator:
         """The drafter's rebuild, then the step's one host sync; a greedy static step drafts the next
         step's chain on the device behind the copy."""
         if plan.multi > 1:  # runs of `multi` tokens; the fed ones (all but the last) are what commit keeps
-            return StepOutput(*unpack(accepted.packed.tolist(), [plan.multi - 1] * len(plan.rows), plan.multi - 1))
+            return self.decoding.finish(plan, forward)
         static, rebuild_s, catchup_s = forward.static, 0.0, 0.0
         if self._rebuild_in_graph(plan):
             self._draft_out = static.draft_out
@@ -229,7 +230,7 @@ class Speculator:
                                 lambda: self._next_tokens(plan, forward, accepted.tokens), self.kv.num_computed)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
-            wait = self._host_copy(accepted.packed)
+            wait = self.copies.start(accepted.packed)
             drafts_next = self._chain_ahead(plan, static)
             host = wait()
         else:
@@ -314,19 +315,6 @@ class Speculator:
         pool = torch.cat([res.batch.input_ids, tokens.reshape(-1)])
         return pool[device_ints(src, self.device)]
 
-    def _host_copy(self, packed: torch.Tensor) -> Callable[[], list[list[int]]]:
-        """Starts packed's copy into pinned host memory; -> a call that waits for it and returns the lists."""
-        n = packed.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
-        dst = self._pinned[:n].view(packed.shape)
-        dst.copy_(packed, non_blocking=True)
-        if self._done is None:
-            self._done = torch.cuda.Event()
-        done = self._done
-        done.record()
-        return lambda: (done.synchronize(), dst.tolist())[1]
-
     # ---- graphs and host bookkeeping -----------------------------------------------------------
 
     def capture_graphs(self, k: int, rebuild: bool, max_rows: int, progress: bool = False) -> int:
@@ -367,7 +355,7 @@ class Speculator:
                 end = r.t0 + len(r.tokens) - 1
             else:
                 m = max(m, 1)  # the fed token is always committed (it was emitted last step)
-                self.kv.commit(r.seq_id, r.tokens + drafts, m)
+                self.kv.commit(r.seq_id, r.tokens + drafts, m, hold=self.decoding.holds(r.seq_id))
                 if self.ssm is not None:
                     slots.append(r.ssm_slot)
                     counts.append(m)

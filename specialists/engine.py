@@ -38,7 +38,7 @@ from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 from specialists.options import EngineConfig, EngineOptions
-from specialists.outputs import RequestError, RequestOutput, merge_status, prompt_ids
+from specialists.outputs import RequestError, RequestOutput, cut_run, merge_status, prompt_ids
 from specialists import detok, quantize
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
@@ -85,6 +85,8 @@ class Engine:
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
         self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
         self.scheduler.draft_lookahead = self.speculator.ahead_pool
+        if cfg.decode_ahead and self.ssm is None:  # spec/decode_ahead.py (a hybrid's states commit on the host)
+            self.speculator.decoding.allowed = self._may_decode_ahead
         tok = tokenizer.convert_tokens_to_ids
         eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
         unk = tokenizer.unk_token_id
@@ -168,7 +170,7 @@ class Engine:
     @property
     def stats(self) -> dict:
         return {"steps": self.steps, "preemptions": self.scheduler.num_preemptions,
-                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "decode_ahead": self.speculator.decoding.stats(),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 **(self.snapshots.stats() if self.snapshots is not None else {})}
 
@@ -227,7 +229,8 @@ class Engine:
         multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
         k = min(self.gate.k_for(batch, guided), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
         self._plan_drafts(k, multi)
-        step = sched.schedule(speculating=status == "on")
+        ahead = self.speculator.decoding.settle(sched.running)  # a step decoded ahead runs these rows: no admission
+        step = sched.schedule(speculating=status == "on", admit=not ahead)
         if step.empty:
             if sched.has_unfinished():
                 raise RuntimeError("no sequence could be scheduled: the KV cache is too small for the waiting requests")
@@ -284,6 +287,14 @@ class Engine:
             # greedy plain decodes of a static batch: several per step (past max_tokens too, then cut)
             seq.decode_steps = max(1, min(steps, room + 1)) if seq.params.greedy and not seq.spec_k else 1
 
+    def _may_decode_ahead(self, rows: list, steps: int) -> bool:
+        """Whether the plain step after this one (`steps` tokens a row) may be launched before this one's
+        outputs are read: nobody waits to be admitted, speculation is off for good, every row has room
+        for it and some row goes on past this step."""
+        return (not self.scheduler.waiting and (self.drafter is None or self.gate.policy.mode == "off")
+                and all(self.cfg.max_model_len - r.seq.num_tokens - 1 >= 2 * steps - 1 for r in rows)
+                and any(r.seq.params.max_tokens - len(r.seq.output_ids) > steps for r in rows))
+
     def _cut_runs(self, rows: list, out, status: str) -> tuple[list[int], list[str | None]]:
         """Each run cut at its triggers (-> tokens kept, the event that cut it), and the step's
         speculation counted: drafts that could be emitted (not those past max_tokens), kept after the cut."""
@@ -292,7 +303,7 @@ class Engine:
         drafted = accepted = 0
         for row, run in zip(rows, out.runs):
             seq = row.seq
-            n, event = self._cut(seq, run)
+            n, event = cut_run(self.triggers, self.tokenizer, self.cfg.max_model_len, seq, run)
             kept.append(n)
             events.append(event)
             k_room = max(0, min(row.k, seq.params.max_tokens - len(seq.output_ids) - 1))
@@ -312,20 +323,6 @@ class Engine:
         for seq in self.scheduler.running:
             if self.kv.num_computed(seq.seq_id) != seq.num_tokens - 1:
                 raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {seq.num_tokens - 1}")
-
-    def _cut(self, seq: Sequence, run: list[int]) -> tuple[int, str | None]:
-        """How many run tokens to keep: through the first trigger, the stop string, max_tokens."""
-        p = seq.params
-        n, event = self.triggers.cut(run, p.stop_token_ids, p.ignore_eos)
-        limit = min(p.max_tokens - len(seq.output_ids), self.cfg.max_model_len - seq.num_tokens)
-        if n > limit:
-            n, event = limit, None
-        if p.stop:
-            for i in range(n):
-                text = detok.text_of(self.tokenizer, seq, seq.output_ids + run[: i + 1], advance=False)
-                if any(s in text for s in p.stop):
-                    return i + 1, "stop_string"
-        return n, event
 
     def _emit(self, seq: Sequence, run: list[int], event: str | None) -> RequestOutput:
         p = seq.params

@@ -45,6 +45,7 @@ class EngineOptions:
     static_batches: bool | None = None  # static batches without graphs (None: CANTATA_STATIC_BATCHES=1)
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
+    decode_ahead: bool | None = None  # launch the next plain multi-step decode before reading this one (None: with CUDA graphs)
     # what constrained decoding adds where a schema leaves strings, arrays or numbers unbounded
     # (specialists/grammar.Bounds' fields: max_string, max_items, number_range); None: the checkpoint's
     # cantata.json "serving": {"grammar_bounds": ...} if any, else none (integers stay in JSON's safe range)
@@ -91,6 +92,7 @@ class EngineOptions:
             draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
+            decode_ahead=static and (graphs if self.decode_ahead is None else self.decode_ahead),
             quantization=self.quantization or "auto",
         )
 
@@ -115,6 +117,7 @@ class EngineConfig:
     cuda_graphs: bool
     fused_drafter: bool
     decode_steps: int
+    decode_ahead: bool  # spec/decode_ahead.py: attention-only models, static multi-step decodes
     quantization: str = "auto"  # the engine resolves "auto" against its model (quantize.resolve)
 
 

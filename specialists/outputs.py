@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spec.stats import RequestStats
+from specialists import detok
 
 
 class RequestError(ValueError):
@@ -44,3 +45,19 @@ def merge_status(before: str, now: str) -> str:
     if "fallback" in (before, now):
         return "fallback"
     return "on" if "on" in (before, now) else "off"
+
+
+def cut_run(triggers: Any, tokenizer: Any, max_model_len: int, seq: Any, run: list[int]) -> tuple[int, str | None]:
+    """How many of a step's run tokens a sequence keeps: through the first trigger (spec/triggers.py),
+    the stop string, max_tokens, max_model_len; -> (kept, the event that cut it)."""
+    p = seq.params
+    n, event = triggers.cut(run, p.stop_token_ids, p.ignore_eos)
+    limit = min(p.max_tokens - len(seq.output_ids), max_model_len - seq.num_tokens)
+    if n > limit:
+        n, event = limit, None
+    if p.stop:
+        for i in range(n):
+            text = detok.text_of(tokenizer, seq, seq.output_ids + run[: i + 1], advance=False)
+            if any(s in text for s in p.stop):
+                return i + 1, "stop_string"
+    return n, event

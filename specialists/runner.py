@@ -138,13 +138,16 @@ class Runner:
 
     # ---- batches -----------------------------------------------------------------------------
 
-    def build(self, rows: list[BatchRow], lookahead: int = 0, static: bool = True) -> tuple[ForwardBatch, ForwardBatch]:
+    def build(self, rows: list[BatchRow], lookahead: int = 0, static: bool = True,
+              advance: int = 0) -> tuple[ForwardBatch, ForwardBatch]:
         """rows -> (the padded batch the model runs, the real rows' batch: a prefix of the same buffers);
         a static batch's width also covers `lookahead` more tokens per row (multi-step decodes); static
-        False: eager whatever the shape (a step whose logits are masked before acceptance)."""
+        False: eager whatever the shape (a step whose logits are masked before acceptance); `advance`:
+        each row starts that many positions past its committed end (a step decoded ahead)."""
         if not rows:
             raise ValueError("empty batch")
-        starts = [self.kv.num_computed(r.seq_id) for r in rows]
+        self.inputs.wait_upload()  # a step decoded ahead may still be copying the staging buffer
+        starts = [self.kv.num_computed(r.seq_id) + advance for r in rows]
         tables = [self.kv.block_table(r.seq_id) for r in rows]
         lay = self._layout(rows, tables, static)
         n_logits = stage_rows(self.inputs, rows, starts, tables, lay, self.kv.block_size)
@@ -274,12 +277,17 @@ class Runner:
         return StepResult(out.logits[:T], out.hidden[:T], real, out)
 
     @torch.inference_mode()
-    def run_multi(self, rows: list[BatchRow], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_multi(self, rows: list[BatchRow], steps: int, advance: int = 0,
+                  feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`steps` greedy one-token decodes of every row (a static batch) in one graph
-        (specialists/multistep.py) -> (tokens [Bp, steps], packed [Bp, 2 steps]) on the device."""
-        batch, _ = self.build(rows, lookahead=steps - 1)
+        (specialists/multistep.py) -> (tokens [Bp, steps], packed [Bp, 2 steps]) on the device.
+        `advance`, `feed` (spec/decode_ahead.py): each row starts `advance` positions past its committed
+        end, from the token feed[b] on the device (not its host token)."""
+        batch, _ = self.build(rows, lookahead=steps - 1, advance=advance)
         if not batch.static:
             raise ValueError("multi-step decodes need a static batch")
+        if feed is not None:
+            batch.input_ids[: feed.shape[0]].copy_(feed)
         tokens, packed, staged = self._multi_step(batch, steps)
         self._stage(rows, staged)
         return tokens, packed
@@ -340,6 +348,7 @@ class Runner:
                 or (masked and self.static_masks is None)):
             return False
         inp = self.inputs
+        inp.wait_upload()
         inp.ensure(Bp * q, Bp, inp.max_blocks)
         lay = _Layout(B=0, T=0, Bp=Bp, Tp=Bp * q, q_pad=q, width=inp.max_blocks, static=True)
         inp.tables(Bp, lay.width)[:] = 0

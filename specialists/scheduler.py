@@ -138,14 +138,14 @@ class Scheduler:
         admitted = itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
         return any(seq.guide is not None and seq.guide.active for seq in itertools.chain(self.running, admitted))
 
-    def schedule(self, speculating: bool = False) -> ScheduledStep:
+    def schedule(self, speculating: bool = False, admit: bool = True) -> ScheduledStep:
         """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
-        hold the drafter's entries)."""
+        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's)."""
         usable = self._usable(speculating)
         decodes = self._schedule_decodes()
         prefills: list[tuple[Sequence, list[int]]] = []
         budget = self.max_num_batched_tokens - len(decodes)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             ids = seq.all_ids
             if len(ids) > budget and (prefills or decodes):

@@ -38,6 +38,7 @@ class StaticInputs:
         self.host = torch.zeros(o, dtype=torch.int64, pin_memory=pin)
         self.np = self.host.numpy()
         self.dev = self.host if self.device.type == "cpu" else torch.zeros(o, dtype=torch.int64, device=self.device)
+        self._copied = None  # torch.cuda.Event: the last upload's copy has run (the host may rewrite the staging)
 
     def ensure(self, tokens: int, seqs: int, blocks: int) -> None:
         if tokens > self.max_tokens or seqs > self.max_seqs or blocks > self.max_blocks:
@@ -63,6 +64,15 @@ class StaticInputs:
         """One host -> device copy of everything a step needs (on CPU the staging buffer is the device's)."""
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def wait_upload(self) -> None:
+        """Before the staging buffer is rewritten: the last upload has left it (a step decoded ahead is
+        queued behind the one that runs, with its upload; spec/decode_ahead.py)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
 
 def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[list[int]], lay, bs: int) -> int:

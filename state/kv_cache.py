@@ -186,9 +186,11 @@ class KVCache:
             s.table.extend(self._allocate(need))  # raises NoFreeBlocksError before any change
         s.reserved_end = max(s.reserved_end, end)
 
-    def commit(self, seq_id: int, written_token_ids: list[int], num_accepted: int) -> None:
+    def commit(self, seq_id: int, written_token_ids: list[int], num_accepted: int, hold: bool = False) -> None:
         """K/V were written for written_token_ids at [num_computed, num_computed + len); keeps the first
-        num_accepted, rolls back the rest and enters newly full committed blocks into the prefix cache."""
+        num_accepted, rolls back the rest and enters newly full committed blocks into the prefix cache.
+        hold: with every token accepted the reservation past them stays (a step decoded ahead writes
+        there: spec/decode_ahead.py); a rejection rolls back as usual."""
         s = self._seq(seq_id)
         n = len(written_token_ids)
         if not 0 <= num_accepted <= n:
@@ -202,8 +204,9 @@ class KVCache:
             raise ValueError(f"seq {seq_id}: committed ids at [{p0}, {p0 + in_prompt}) differ from the prompt")
         s.tokens.extend(accepted)
         s.num_computed += num_accepted
-        # nothing rejected: the tail past the pointer was not written this step (and was zero before)
-        self.rollback(seq_id, s.num_computed, zero_tail=num_accepted < n)
+        if not (hold and num_accepted == n):
+            # nothing rejected: the tail past the pointer was not written this step (and was zero before)
+            self.rollback(seq_id, s.num_computed, zero_tail=num_accepted < n)
         if self.cfg.enable_prefix_cache:
             self._register_full_blocks(s)
 
