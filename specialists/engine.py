@@ -289,9 +289,9 @@ class Engine:
 
     def _may_decode_ahead(self, rows: list, steps: int) -> bool:
         """Whether the plain step after this one (`steps` tokens a row) may be launched before this one's
-        outputs are read: nobody waits to be admitted, speculation is off for good, every row has room
-        for it and some row goes on past this step."""
-        return (not self.scheduler.waiting and (self.drafter is None or self.gate.policy.mode == "off")
+        outputs are read: nobody waits to be admitted, speculation is off (or `auto` holds it off: a
+        switch back discards the step ahead), every row has room for it and some row goes on past this step."""
+        return (not self.scheduler.waiting and (self.drafter is None or self.gate.status != "on")
                 and all(self.cfg.max_model_len - r.seq.num_tokens - 1 >= 2 * steps - 1 for r in rows)
                 and any(r.seq.params.max_tokens - len(r.seq.output_ids) > steps for r in rows))
 

@@ -102,6 +102,22 @@ def test_a_policy_switch_discards_the_step_ahead_and_stays_exact() -> None:
     assert stats["discarded"] >= 1 and stats["used"] >= 1, stats
 
 
+def test_auto_holding_speculation_off_decodes_ahead_and_a_probe_discards_it() -> None:
+    """`auto` over its batch limit holds speculation off (plain multi-step steps, decoded ahead); once
+    the batch shrinks to the limit it probes (speculates) at once (cooldown 0): the step ahead is
+    discarded and the tokens stay the plain engine's."""
+    ref = _engine("shell", False)
+    eng = _engine("shell", True)
+    eng.gate.set_policy(SpeculationPolicy(mode="auto", auto={"max_running_batch": 1, "cooldown_s": 0.0}))
+    prompts = _prompts(eng, "shell", 3)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (13, 26, 41)]
+    plan = dict(arrive={0: [0, 1, 2]}, abort={}, switch={})
+    assert _drive(eng, prompts, params, **plan) == _drive(ref, prompts, params, **plan)
+    stats = eng.stats["decode_ahead"]
+    assert stats["used"] >= 2 and stats["discarded"] >= 1, stats
+    assert eng.totals.as_dict()["drafted"] > 0  # it did speculate once the batch was small enough
+
+
 def test_new_requests_wait_one_step_and_lose_nothing() -> None:
     """A request that arrives while a step ahead is in flight is admitted after it (the step ahead's
     batch runs whole), then batched with the others; the full batch's outputs are the plain engine's."""
