@@ -93,6 +93,38 @@ def test_mma_with_its_neighbours_matches_torch(m: int, config) -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("split,bias", [(1, False), (2, True)])
+def test_the_qkv_product_carries_rope_and_the_kv_write(split: int, bias: bool) -> None:
+    """mma(rope=...) against the product then ops/rope_kv.py's kernel: the same q, and the same k and v
+    in the pool at each row's slot (bit for bit: the same roundings and the same fp32 rotation),
+    nothing else of the pool written; a row's q and KV do not depend on the other rows."""
+    from specialists.ops.rope_kv import rope_write_kv
+
+    hq, hkv, d, m, k = 4, 2, 32, 5, 96
+    g, w = _operands((hq + 2 * hkv) * d, k, 70 + split)
+    x = torch.randn(m, k, device=DEV, generator=g).to(DT)
+    gain = (torch.rand(k, device=DEV, generator=g) + 0.5).to(DT)
+    b = torch.randn(w.shape[0], device=DEV, generator=g).to(DT) if bias else None
+    ang = torch.rand(m, d // 2, device=DEV, generator=g) * 6.0
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(DT), torch.cat([ang.sin()] * 2, -1).to(DT)
+    slots = torch.tensor([9, 2, 17, 30, 5], device=DEV)
+    pools = [torch.zeros(4, 8, hkv, d, device=DEV, dtype=DT) for _ in range(4)]  # (k, v) fused, (k, v) reference
+    config = (d, 32, 4, 2, split)
+    q = D.mma(x, w, b, gain=gain, eps=1e-5, config=config,
+              rope=D.RopeKV(cos, sin, slots, pools[0], pools[1], hq, hkv))
+    ref = rope_write_kv(D.mma(x, w, b, gain=gain, eps=1e-5, config=config), cos, sin, pools[2], pools[3], slots, hq, hkv, d)
+    assert q.shape == (m, hq, d)
+    assert torch.equal(q, ref)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    flat = pools[0].view(-1, hkv, d)
+    assert flat[slots].abs().sum() > 0 and flat[[i for i in range(32) if i not in slots.tolist()]].abs().sum() == 0
+    one = D.mma(x[3:4], w, b, gain=gain, eps=1e-5, config=config,
+                rope=D.RopeKV(cos[3:4], sin[3:4], slots[3:4], torch.zeros_like(pools[0]), torch.zeros_like(pools[1]), hq, hkv))
+    assert torch.equal(one[0], q[3])
+    with pytest.raises(ValueError, match="RoPE"):
+        D.mma(x, w, gain=gain, config=(64, 32, 4, 2, 1), rope=D.RopeKV(cos, sin, slots, pools[0], pools[1], hq, hkv))
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_mma_rows_do_not_depend_on_the_call(split: int) -> None:
     """A row's product is the same bits alone, in any slot and among other rows, with K split or not,

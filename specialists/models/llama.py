@@ -133,10 +133,13 @@ def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
            k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch,
            let_next: bool = False) -> torch.Tensor:
     """The fused q/k/v product [T, (H_q + 2 H_kv) D] -> attention output [T, H_q D]: RoPE on q and k,
-    k and v written to the pool at the batch's slots, q over its sequence's keys. let_next: the o
-    product after it launches early (decode_fused.launches_early); the static kernel lets it."""
+    k and v written to the pool at the batch's slots, q over its sequence's keys (a q [T, H_q, D]
+    given as qkv: the product did those already, decode_fused.RopeKV). let_next: the o product after
+    it launches early (decode_fused.launches_early); the static kernel lets it."""
     T = qkv.shape[0]
-    if qkv.is_cuda and qkv.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
+    if qkv.dim() == 3:  # rotated q: the product wrote k and v
+        q = qkv
+    elif qkv.is_cuda and qkv.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
         from specialists.ops.rope_kv import rope_write_kv  # Triton: a GPU install has it
 
         q = rope_write_kv(qkv, cos, sin, k_cache_layer, v_cache_layer, batch.slot_mapping, w.num_heads,
@@ -190,7 +193,10 @@ def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torc
     """h += attention_block(w, rms_norm(h) * gain, ...), in place, on the fused path (fused_step)."""
     from specialists.ops import decode_fused
 
-    qkv = decode_fused.mma(h, w.qkv, w.qkv_bias, gain=gain, eps=eps)
+    rope = None
+    if decode_fused.rope_fuses(w.qkv, w.head_dim, cos, sin):  # RoPE and the KV write in the product's end
+        rope = decode_fused.RopeKV(cos, sin, batch.slot_mapping, k_cache_layer, v_cache_layer, w.num_heads, w.num_kv_heads)
+    qkv = decode_fused.mma(h, w.qkv, w.qkv_bias, gain=gain, eps=eps, rope=rope)
     o = attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch, decode_fused.launches_early(w.o_proj))
     decode_fused.mma(o, w.o_proj, w.o_bias, residual=h)
 

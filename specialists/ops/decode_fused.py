@@ -40,9 +40,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from typing import NamedTuple
+
 from specialists.ops.attention import HALF
 
-__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "pdl", "launches_early", "MAX_ROWS"]
+__all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "pdl", "launches_early", "MAX_ROWS",
+           "RopeKV", "rope_fuses"]
 
 MAX_ROWS = 64  # decodes and verifies of up to 8 sequences at K = 7 (prefills keep the torch ops)
 
@@ -204,22 +207,50 @@ def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, 
     tl.store(optr, y, mask=mo)
 
 
-@triton.jit(do_not_specialize=["M", "N"])
-def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x,
-                stride_w, stride_out, eps, PRO: tl.constexpr, RES: tl.constexpr, BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                KS: tl.constexpr, PDL: tl.constexpr):
+@triton.jit
+def _store_qkv_rope(acc, pn, rm, mm, bptr, q_ptr, cos_ptr, sin_ptr, stride_cs, slot_ptr, kp_ptr, vp_ptr,
+                    BIAS: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    dt: tl.constexpr):
+    """The q/k/v product's end, one head a program (BLOCK_N = D): y = round(acc (+ bias)); a q or k head
+    rotated (rotate-half on all D channels, fp32, rounded once: ops/rope_kv.py's arithmetic); q stored
+    [M, HQ, D], k and v into the paged pool at the rows' slots."""
+    d = tl.arange(0, D)
+    if BIAS:
+        acc += tl.load(bptr + pn * D + d).to(tl.float32)[:, None]
+    y = acc.to(dt).to(tl.float32)  # [D, BLOCK_M]: the rounded product, as the unfused path stores it
+    if pn < HQ + HKV:
+        cs = rm[None, :] * stride_cs + d[:, None]
+        c1, c2 = tl.split(tl.permute(tl.reshape(tl.load(cos_ptr + cs, mask=mm[None, :], other=1.0).to(tl.float32),
+                                                (2, D // 2, BLOCK_M)), (1, 2, 0)))
+        s1, s2 = tl.split(tl.permute(tl.reshape(tl.load(sin_ptr + cs, mask=mm[None, :], other=0.0).to(tl.float32),
+                                                (2, D // 2, BLOCK_M)), (1, 2, 0)))
+        a, b = tl.split(tl.permute(tl.reshape(y, (2, D // 2, BLOCK_M)), (1, 2, 0)))  # the two halves of each row
+        y = tl.reshape(tl.permute(tl.join(a * c1 + (-b) * s1, b * c2 + a * s2), (2, 0, 1)), (D, BLOCK_M))
+    out = y.to(dt)
+    if pn < HQ:
+        tl.store(q_ptr + rm[None, :] * (HQ * D) + pn * D + d[:, None], out, mask=mm[None, :])
+    else:
+        slot = tl.load(slot_ptr + rm, mask=mm, other=0).to(tl.int64)
+        if pn < HQ + HKV:
+            tl.store(kp_ptr + (slot[None, :] * HKV + (pn - HQ)) * D + d[:, None], out, mask=mm[None, :])
+        else:
+            tl.store(vp_ptr + (slot[None, :] * HKV + (pn - HQ - HKV)) * D + d[:, None], out, mask=mm[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "N", "stride_cs"])
+def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x, stride_w,
+                stride_out, eps, cos_ptr, sin_ptr, stride_cs, slot_ptr, kp_ptr, vp_ptr, PRO: tl.constexpr, RES: tl.constexpr,
+                BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                KS: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
     and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor
     cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column
     block to arrive sums the SPLIT partials in order and finishes. Every row runs the same
     instructions whatever M and its slot, so a row's result depends on neither."""
-    pn = tl.program_id(0)
-    pk = tl.program_id(1)
+    pn, pk = tl.program_id(0), tl.program_id(1)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    mn = rn < N
-    mm = rm < M
+    mn, mm = rn < N, rm < M
     dt = w_ptr.dtype.element_ty
     wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_x
@@ -261,17 +292,46 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     if last:
         if PRO == 1:
             acc = acc * tl.rsqrt(ss / K + eps)[None, :]
-        _store_rows(acc, out_ptr + rm[None, :] * stride_out + rn[:, None], mn[:, None] & mm[None, :], b_ptr + rn, mn,
-                    RES, BIAS, dt)
+        if ROPE:
+            _store_qkv_rope(acc, pn, rm, mm, b_ptr, out_ptr, cos_ptr, sin_ptr, stride_cs, slot_ptr, kp_ptr, vp_ptr, BIAS, HQ,
+                            HKV, BLOCK_N, BLOCK_M, dt)
+        else:
+            _store_rows(acc, out_ptr + rm[None, :] * stride_out + rn[:, None], mn[:, None] & mm[None, :], b_ptr + rn, mn,
+                        RES, BIAS, dt)
+
+
+class RopeKV(NamedTuple):
+    """What a q/k/v product carries after it (`mma(rope=...)`): RoPE on q and k, k and v into the pool."""
+
+    cos: torch.Tensor  # [M, D] (rows of the step's tokens; all D channels rotate)
+    sin: torch.Tensor  # [M, D]
+    slots: torch.Tensor  # [M] int64 flat KV slots
+    k_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor
+    heads: int
+    kv_heads: int
+
+
+def rope_fuses(w: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the q/k/v product of weight w (under the RMSNorm) carries RoPE and the KV write: a
+    program's columns are one head (its config's BLOCK_N is the head size), K is not split, every
+    channel rotates, and CANTATA_FUSED_ROPE is not 0. Else ops/rope_kv.py's kernel runs after it.
+    (The split-K variant is exact in the tests, but the H100's ptxas crashed (-11) compiling it at
+    llama-1b's q/k/v config, K 2048 split 2, 2026-11-27: unsplit products only.)"""
+    bn, _, _, _, split = mma_config(1, *w.shape)
+    return (bn == head_dim and split == 1 and cos.shape[-1] == head_dim and cos.stride(-1) == 1
+            and sin.stride() == cos.stride() and os.environ.get("CANTATA_FUSED_ROPE", "1") != "0")
 
 
 def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
         eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None,
-        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+        config: tuple[int, int, int, int, int] | None = None, rope: RopeKV | None = None) -> torch.Tensor:
     """Weight products of up to MAX_ROWS rows with their neighbours carried: x [M, K] (gain given:
     rms_norm(x) * gain; swiglu: x = [gate | up] [M, 2K] -> silu(gate) * up) -> W @ a (+ bias) [M, N];
-    with `residual` [M, N] the result is added to it in place (and it is returned). A row's result
-    does not depend on the other rows nor on M (a verify computes its decodes' products, bit for bit)."""
+    with `residual` [M, N] the result is added to it in place (and it is returned); with `rope` (a q/k/v
+    product where rope_fuses) -> q [M, heads, D] rotated, k rotated and v written into the pool. A
+    row's result does not depend on the other rows nor on M (a verify computes its decodes' products,
+    bit for bit)."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
@@ -281,6 +341,11 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     pro = 2 if swiglu else (1 if gain is not None else 0)
     bn, bk, warps, stages, split = config or mma_config(pro, n, k)
+    r = rope if rope is not None else RopeKV(w, w, w, w, w, 0, 0)
+    if rope is not None:
+        if bn != n // (rope.heads + 2 * rope.kv_heads) or rope.cos.shape[-1] != bn or residual is not None:
+            raise ValueError(f"mma carries RoPE only with a head a program (BLOCK_N {bn}, weight {tuple(w.shape)})")
+        out = torch.empty(m, rope.heads, bn, dtype=x.dtype, device=x.device)
     bm = max(16, triton.next_power_of_2(m))
     stages = max(1, min(stages, 200_000 // ((bn + bm * (2 if swiglu else 1)) * bk * x.element_size())))
     blocks = triton.cdiv(n, bn)
@@ -292,7 +357,9 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     early = launches_early(w) and bk >= 64
     _mma_kernel[(blocks, split)](
         x, w, out, gain if gain is not None else w, bias if bias is not None else w, ws, ss, locks, m, n, k,
-        x.stride(0), w.stride(0), out.stride(0), eps, PRO=pro, RES=residual is not None, BIAS=bias is not None,
+        x.stride(0), w.stride(0), out.stride(0), eps, r.cos, r.sin, r.cos.stride(0), r.slots, r.k_cache, r.v_cache,
+        PRO=pro, RES=residual is not None, BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, KS=triton.cdiv(triton.cdiv(k, split), bk) * bk,
-        PDL=early, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}))
+        PDL=early, ROPE=rope is not None, HQ=r.heads, HKV=r.kv_heads,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}))
     return out
