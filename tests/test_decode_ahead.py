@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,24 @@ def test_auto_holding_speculation_off_decodes_ahead_and_a_probe_discards_it() ->
     stats = eng.stats["decode_ahead"]
     assert stats["used"] >= 2 and stats["discarded"] >= 1, stats
     assert eng.totals.as_dict()["drafted"] > 0  # it did speculate once the batch was small enough
+
+
+def test_a_run_cut_short_by_a_trigger_discards_the_step_ahead() -> None:
+    """A tool-call open tag inside a run cuts it (the sequence goes on, in its tool segment): the step
+    decoded ahead assumed the whole run, so it is discarded, its KV rolled back (zero tails checked
+    every step), and the tokens stay the plain engine's. The tag here: a token the model emits often."""
+    ref, eng = _engine("shell", False), _engine("shell", True)
+    prompts = _prompts(eng, "shell", 3)
+    params = [SamplingParams(max_tokens=45, ignore_eos=True)] * 3
+    first = ref.generate(prompts[:1], params[0])[0].token_ids
+    tag = max(set(first[6:]), key=first[6:].count)
+    for e in (ref, eng):
+        e.triggers = replace(e.triggers, tool_open_id=tag)
+    plan = dict(arrive={0: [0, 1, 2]}, abort={}, switch={})
+    want = _drive(ref, prompts, params, **plan)
+    assert _drive(eng, prompts, params, **plan) == want
+    assert sum(run.count(tag) for run in want.values()) >= 2
+    assert eng.stats["decode_ahead"]["discarded"] >= 1, eng.stats["decode_ahead"]
 
 
 def test_new_requests_wait_one_step_and_lose_nothing() -> None:
