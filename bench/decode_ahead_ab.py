@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--results", type=Path, default=None, help="append the line here too")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.decode_ahead_ab needs a CUDA device (decoding ahead runs with CUDA graphs)")
     from policies.policy import SpeculationPolicy
     from specialists.engine import Engine
     from specialists.sampling import SamplingParams
