@@ -363,9 +363,30 @@ typedef struct {
     size_t stride, off;
 } keys_t;
 
+/* the sums of 16 vectors (a[u]: key u's per-lane products) in key order, each added up exactly as
+ * _mm512_reduce_add_ps adds one vector (GCC's order: lanes i and i+8, then i and i+4 of those, then
+ * 0+2 and 1+3, then the two): the bits dot_f32 gives each key, 16 keys at a time in ~45 vector ops
+ * instead of 16 horizontal reductions */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512* a) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int p = 0; p < 8; p++)  /* keys 2p, 2p+1: [T3 of 2p | T3 of 2p+1] */
+        s1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE), _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44));
+    for (int p = 0; p < 4; p++)  /* keys 4p..4p+3: T6 of each, one 128-bit lane a key */
+        s2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0xDD), _mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0x88));
+    for (int p = 0; p < 2; p++)  /* lane k: T8 of key 8p+k, then of key 8p+4+k */
+        s3[p] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));  /* element 4k+e: key k+4e */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+#define GMAX 8  /* query heads a KV head serves in attend_gd (more: one head at a time) */
+
 /* one query row and head over its keys: softmax(q k^T * scale) v -> o [D]. The pool's keys are
- * walked block by block of the table (no division per key); D is a constant where inlined from
- * attend() (64, 128), so the head's accumulators stay in registers. */
+ * walked block by block of the table (no division per key), their scores 16 at a time where the
+ * block holds 16 more slots (reduce16: the same bits as one key at a time); D is a constant where
+ * inlined from attend() (64, 128), so the head's accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_d(const float* q, const keys_t* s, const int D, float scale,
                                                            float* sc, float* o) {
     const float *kc = s->kc, *vc = s->vc;
@@ -373,15 +394,34 @@ static inline __attribute__((always_inline)) void attend_d(const float* q, const
     int bs = s->bs, n = s->n, ntot = s->n + s->nt;
     size_t stride = s->stride, off = s->off;
     float mx = -INFINITY;
+    __m512 vscale = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(-INFINITY);
     for (int j = 0, blk = 0; j < n; blk++) {
         const float* kb = kc + (size_t)table[blk] * bs * stride + off;
-        int e = n - j < bs ? n - j : bs;
-        for (int r = 0; r < e; r++, j++) {
+        int e = n - j < bs ? n - j : bs, r = 0;
+        if (D % 16 == 0 && D <= 128) {
+            for (; r < e && r + 16 <= bs; r += 16) {  /* slots past e in the block are read, their scores dropped */
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) {
+                    const float* kr = kb + (size_t)(r + u) * stride;
+                    __m512 t = _mm512_setzero_ps();
+                    for (int c = 0; c < D; c += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(kr + c), t);
+                    acc[u] = t;
+                }
+                __mmask16 m = tail_mask(e - r);
+                __m512 v = _mm512_mul_ps(reduce16(acc), vscale);
+                _mm512_mask_storeu_ps(sc + j + r, m, v);
+                vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
+            }
+        }
+        for (; r < e; r++) {
             float v = dot_f32(q, kb + r * stride, D) * scale;
-            sc[j] = v;
+            sc[j + r] = v;
             if (v > mx) mx = v;
         }
+        j += e;
     }
+    float vm = _mm512_reduce_max_ps(vmax);
+    if (vm > mx) mx = vm;
     for (int j = 0; j < s->nt; j++) {
         float v = dot_f32(q, s->tk + j * stride + off, D) * scale;
         sc[n + j] = v;
@@ -421,6 +461,97 @@ static inline __attribute__((always_inline)) void attend_d(const float* q, const
     }
 }
 
+/* the G query heads sharing one KV head (q: G rows of D, contiguous; o likewise; sc: G rows scs
+ * apart), each exactly as attend_d computes it alone (the same operations in the same order), with
+ * each key and value read from memory once for the G heads (the others read it from L1) */
+static inline __attribute__((always_inline)) void attend_gd(const float* q, const keys_t* s, const int D, int G, float scale,
+                                                            float* sc, size_t scs, float* o) {
+    const float *kc = s->kc, *vc = s->vc;
+    const int64_t* table = s->table;
+    int bs = s->bs, n = s->n, ntot = s->n + s->nt;
+    size_t stride = s->stride, off = s->off;
+    float mx[GMAX];
+    __m512 vmax[GMAX], vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < G; g++) { mx[g] = -INFINITY; vmax[g] = _mm512_set1_ps(-INFINITY); }
+    for (int j = 0, blk = 0; j < n; blk++) {
+        const float* kb = kc + (size_t)table[blk] * bs * stride + off;
+        int e = n - j < bs ? n - j : bs, r = 0;
+        if (D % 16 == 0 && D <= 128) {
+            for (; r < e && r + 16 <= bs; r += 16) {
+                __mmask16 m = tail_mask(e - r);
+                for (int g = 0; g < G; g++) {
+                    const float* qg = q + (size_t)g * D;
+                    __m512 acc[16];
+                    for (int u = 0; u < 16; u++) {
+                        const float* kr = kb + (size_t)(r + u) * stride;
+                        __m512 t = _mm512_setzero_ps();
+                        for (int c = 0; c < D; c += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(kr + c), t);
+                        acc[u] = t;
+                    }
+                    __m512 v = _mm512_mul_ps(reduce16(acc), vscale);
+                    _mm512_mask_storeu_ps(sc + g * scs + j + r, m, v);
+                    vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], v);
+                }
+            }
+        }
+        for (; r < e; r++)
+            for (int g = 0; g < G; g++) {
+                float v = dot_f32(q + (size_t)g * D, kb + r * stride, D) * scale;
+                sc[g * scs + j + r] = v;
+                if (v > mx[g]) mx[g] = v;
+            }
+        j += e;
+    }
+    for (int t = 0; t < s->nt; t++)
+        for (int g = 0; g < G; g++) {
+            float v = dot_f32(q + (size_t)g * D, s->tk + t * stride + off, D) * scale;
+            sc[g * scs + n + t] = v;
+            if (v > mx[g]) mx[g] = v;
+        }
+    __m512 inv[GMAX];
+    for (int g = 0; g < G; g++) {
+        float vm = _mm512_reduce_max_ps(vmax[g]);
+        float* sg = sc + g * scs;
+        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(vm > mx[g] ? vm : mx[g]);
+        for (int j = 0; j < ntot; j += 16) {
+            __mmask16 m = tail_mask(ntot - j);
+            __m512 ex = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), vmx)));
+            _mm512_mask_storeu_ps(sg + j, m, ex);
+            sum = _mm512_add_ps(sum, ex);
+        }
+        inv[g] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    }
+    const int C = D / 16 < 8 ? D / 16 : 8, GC = 24 / C < GMAX ? 24 / C : GMAX;  /* accumulators within the registers */
+    for (int g0 = 0; g0 < G; g0 += GC) {
+        int gn = G - g0 < GC ? G - g0 : GC;
+        for (int d0 = 0; d0 < D; d0 += 16 * C) {
+            __m512 acc[24];
+            for (int a = 0; a < gn * C; a++) acc[a] = _mm512_setzero_ps();
+            for (int j = 0, blk = 0; j < n; blk++) {
+                const float* vb = vc + (size_t)table[blk] * bs * stride + off + d0;
+                int e = n - j < bs ? n - j : bs;
+                for (int r = 0; r < e; r++, j++)
+                    for (int g = 0; g < gn; g++) {
+                        __m512 p = _mm512_set1_ps(sc[(g0 + g) * scs + j]);
+                        for (int c = 0; c < C; c++)
+                            acc[g * C + c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vb + r * stride + 16 * c), acc[g * C + c]);
+                    }
+            }
+            for (int t = 0; t < s->nt; t++) {
+                const float* vb = s->tv + t * stride + off + d0;
+                for (int g = 0; g < gn; g++) {
+                    __m512 p = _mm512_set1_ps(sc[(g0 + g) * scs + n + t]);
+                    for (int c = 0; c < C; c++)
+                        acc[g * C + c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vb + 16 * c), acc[g * C + c]);
+                }
+            }
+            for (int g = 0; g < gn; g++)
+                for (int c = 0; c < C; c++)
+                    _mm512_storeu_ps(o + (size_t)(g0 + g) * D + d0 + 16 * c, _mm512_mul_ps(acc[g * C + c], inv[g0 + g]));
+        }
+    }
+}
+
 static void attend(const float* q, const keys_t* s, int D, float scale, float* sc, float* o) {
     if (D == 64) attend_d(q, s, 64, scale, sc, o);
     else if (D == 128) attend_d(q, s, 128, scale, sc, o);
@@ -452,10 +583,32 @@ static void attention_layer(const dims_t* z, const float* qkv, const float* kc, 
                             const int64_t* rowseq, const int64_t* tables, const float* tk, const float* tv, int ntail,
                             int tcap, float* att, int maxctx) {
     int W = (z->Hq + 2 * z->Hkv) * z->D, grp = z->Hq / z->Hkv;
-    size_t stride = (size_t)z->Hkv * z->D;
+    size_t stride = (size_t)z->Hkv * z->D, scs = (size_t)(maxctx + ntail + 16);
+    if (grp > 1 && grp <= GMAX && z->D % 16 == 0 && z->D <= 128) {  /* a KV head's query heads together */
+        /* few rows (a decode of one sequence): each KV head's heads in two parts, so the threads share the work */
+        int parts = z->T * z->Hkv < 2 * z->nt ? 2 : 1, gs = (grp + parts - 1) / parts;
+        #pragma omp parallel num_threads(z->nt)
+        {
+            float* sc = (float*)malloc(sizeof(float) * scs * (size_t)gs);
+            #pragma omp for schedule(static)
+            for (int item = 0; item < z->T * z->Hkv * parts; item++) {
+                int t = item / (z->Hkv * parts), kh = item / parts % z->Hkv, h0 = kh * grp + item % parts * gs;
+                int g = (kh + 1) * grp - h0 < gs ? (kh + 1) * grp - h0 : gs;
+                keys_t s = {kc, vc, tk ? tk + (size_t)t * tcap * stride : NULL, tv ? tv + (size_t)t * tcap * stride : NULL,
+                            tables + (size_t)rowseq[t] * z->tw, z->bs, (int)npool[t], ntail, stride, (size_t)kh * z->D};
+                const float* q = qkv + (size_t)t * W + (size_t)h0 * z->D;
+                float* o = att + ((size_t)t * z->Hq + (size_t)h0) * z->D;
+                if (z->D == 64) attend_gd(q, &s, 64, g, z->scale, sc, scs, o);
+                else if (z->D == 128) attend_gd(q, &s, 128, g, z->scale, sc, scs, o);
+                else attend_gd(q, &s, z->D, g, z->scale, sc, scs, o);
+            }
+            free(sc);
+        }
+        return;
+    }
     #pragma omp parallel num_threads(z->nt)
     {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(maxctx + ntail + 16));
+        float* sc = (float*)malloc(sizeof(float) * scs);
         #pragma omp for schedule(static)
         for (int item = 0; item < z->T * z->Hq; item++) {
             int t = item / z->Hq, h = item % z->Hq;
