@@ -382,6 +382,7 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512* a) {
 }
 
 #define GMAX 8  /* query heads a KV head serves in attend_gd (more: one head at a time) */
+#define QMAX 32  /* queries attend_gd takes at once: rows of a sequence x the query heads of a KV head */
 
 /* one query row and head over its keys: softmax(q k^T * scale) v -> o [D]. The pool's keys are
  * walked block by block of the table (no division per key), their scores 16 at a time where the
@@ -461,26 +462,31 @@ static inline __attribute__((always_inline)) void attend_d(const float* q, const
     }
 }
 
-/* the G query heads sharing one KV head (q: G rows of D, contiguous; o likewise; sc: G rows scs
- * apart), each exactly as attend_d computes it alone (the same operations in the same order), with
- * each key and value read from memory once for the G heads (the others read it from L1) */
-static inline __attribute__((always_inline)) void attend_gd(const float* q, const keys_t* s, const int D, int G, float scale,
-                                                            float* sc, size_t scs, float* o) {
+/* Q queries over one KV head of one sequence (the query heads that share it, of one row or of several
+ * rows of the sequence): qs[i] a query [D], os[i] its output, nq[i] <= s->n the pool keys it sees
+ * (with a tail, s->nt > 0, every nq[i] is s->n and each sees the whole tail); sc: Q rows scs apart.
+ * Each query is computed exactly as attend_d computes it alone (the same operations in the same
+ * order; a pool key past a query's end adds p = 0 to its sums, which leaves them as they are), and
+ * each key and value is read from memory once for all of them (the other queries read it from L1). */
+static inline __attribute__((always_inline)) void attend_gd(const float* const* qs, const int* nq, float* const* os,
+                                                            const keys_t* s, const int D, int Q, float scale,
+                                                            float* sc, size_t scs) {
     const float *kc = s->kc, *vc = s->vc;
     const int64_t* table = s->table;
-    int bs = s->bs, n = s->n, ntot = s->n + s->nt;
+    int bs = s->bs, n = s->n;
     size_t stride = s->stride, off = s->off;
-    float mx[GMAX];
-    __m512 vmax[GMAX], vscale = _mm512_set1_ps(scale);
-    for (int g = 0; g < G; g++) { mx[g] = -INFINITY; vmax[g] = _mm512_set1_ps(-INFINITY); }
+    float mx[QMAX];
+    __m512 vmax[QMAX], vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < Q; g++) { mx[g] = -INFINITY; vmax[g] = _mm512_set1_ps(-INFINITY); }
     for (int j = 0, blk = 0; j < n; blk++) {
         const float* kb = kc + (size_t)table[blk] * bs * stride + off;
         int e = n - j < bs ? n - j : bs, r = 0;
         if (D % 16 == 0 && D <= 128) {
             for (; r < e && r + 16 <= bs; r += 16) {
-                __mmask16 m = tail_mask(e - r);
-                for (int g = 0; g < G; g++) {
-                    const float* qg = q + (size_t)g * D;
+                for (int g = 0; g < Q; g++) {
+                    int valid = nq[g] - j - r < e - r ? nq[g] - j - r : e - r;
+                    if (valid <= 0) continue;
+                    const float* qg = qs[g];
                     __m512 acc[16];
                     for (int u = 0; u < 16; u++) {
                         const float* kr = kb + (size_t)(r + u) * stride;
@@ -488,6 +494,7 @@ static inline __attribute__((always_inline)) void attend_gd(const float* q, cons
                         for (int c = 0; c < D; c += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(kr + c), t);
                         acc[u] = t;
                     }
+                    __mmask16 m = tail_mask(valid);
                     __m512 v = _mm512_mul_ps(reduce16(acc), vscale);
                     _mm512_mask_storeu_ps(sc + g * scs + j + r, m, v);
                     vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], v);
@@ -495,23 +502,25 @@ static inline __attribute__((always_inline)) void attend_gd(const float* q, cons
             }
         }
         for (; r < e; r++)
-            for (int g = 0; g < G; g++) {
-                float v = dot_f32(q + (size_t)g * D, kb + r * stride, D) * scale;
+            for (int g = 0; g < Q; g++) {
+                if (j + r >= nq[g]) continue;
+                float v = dot_f32(qs[g], kb + r * stride, D) * scale;
                 sc[g * scs + j + r] = v;
                 if (v > mx[g]) mx[g] = v;
             }
         j += e;
     }
     for (int t = 0; t < s->nt; t++)
-        for (int g = 0; g < G; g++) {
-            float v = dot_f32(q + (size_t)g * D, s->tk + t * stride + off, D) * scale;
+        for (int g = 0; g < Q; g++) {
+            float v = dot_f32(qs[g], s->tk + t * stride + off, D) * scale;
             sc[g * scs + n + t] = v;
             if (v > mx[g]) mx[g] = v;
         }
-    __m512 inv[GMAX];
-    for (int g = 0; g < G; g++) {
+    __m512 inv[QMAX];
+    for (int g = 0; g < Q; g++) {
         float vm = _mm512_reduce_max_ps(vmax[g]);
         float* sg = sc + g * scs;
+        int ntot = nq[g] + s->nt;
         __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(vm > mx[g] ? vm : mx[g]);
         for (int j = 0; j < ntot; j += 16) {
             __mmask16 m = tail_mask(ntot - j);
@@ -520,10 +529,11 @@ static inline __attribute__((always_inline)) void attend_gd(const float* q, cons
             sum = _mm512_add_ps(sum, ex);
         }
         inv[g] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (int j = nq[g]; j < n; j++) sg[j] = 0.0f;  /* keys past its end: p = 0 (no tail here: nq[g] == n with one) */
     }
     const int C = D / 16 < 8 ? D / 16 : 8, GC = 24 / C < GMAX ? 24 / C : GMAX;  /* accumulators within the registers */
-    for (int g0 = 0; g0 < G; g0 += GC) {
-        int gn = G - g0 < GC ? G - g0 : GC;
+    for (int g0 = 0; g0 < Q; g0 += GC) {
+        int gn = Q - g0 < GC ? Q - g0 : GC;
         for (int d0 = 0; d0 < D; d0 += 16 * C) {
             __m512 acc[24];
             for (int a = 0; a < gn * C; a++) acc[a] = _mm512_setzero_ps();
@@ -547,7 +557,7 @@ static inline __attribute__((always_inline)) void attend_gd(const float* q, cons
             }
             for (int g = 0; g < gn; g++)
                 for (int c = 0; c < C; c++)
-                    _mm512_storeu_ps(o + (size_t)(g0 + g) * D + d0 + 16 * c, _mm512_mul_ps(acc[g * C + c], inv[g0 + g]));
+                    _mm512_storeu_ps(os[g0 + g] + d0 + 16 * c, _mm512_mul_ps(acc[g * C + c], inv[g0 + g]));
         }
     }
 }
@@ -585,25 +595,44 @@ static void attention_layer(const dims_t* z, const float* qkv, const float* kc, 
     int W = (z->Hq + 2 * z->Hkv) * z->D, grp = z->Hq / z->Hkv;
     size_t stride = (size_t)z->Hkv * z->D, scs = (size_t)(maxctx + ntail + 16);
     if (grp > 1 && grp <= GMAX && z->D % 16 == 0 && z->D <= 128) {  /* a KV head's query heads together */
-        /* few rows (a decode of one sequence): each KV head's heads in two parts, so the threads share the work */
-        int parts = z->T * z->Hkv < 2 * z->nt ? 2 : 1, gs = (grp + parts - 1) / parts;
+        /* runs of consecutive rows of one sequence (a verify's, a prefill's; one row with a tail: its own),
+           up to QMAX queries an item; few items: each KV head's heads in two parts, so the threads share */
+        int rmax = ntail ? 1 : QMAX / grp, nruns = 0;
+        int* run0 = (int*)malloc(sizeof(int) * (size_t)(z->T + 1));
+        for (int t = 0; t < z->T; nruns++) {
+            int t1 = t + 1;
+            while (t1 < z->T && t1 - t < rmax && rowseq[t1] == rowseq[t]) t1++;
+            run0[nruns] = t;
+            t = t1;
+        }
+        run0[nruns] = z->T;
+        int parts = nruns * z->Hkv < 2 * z->nt ? 2 : 1, gs = (grp + parts - 1) / parts;
         #pragma omp parallel num_threads(z->nt)
         {
-            float* sc = (float*)malloc(sizeof(float) * scs * (size_t)gs);
+            float* sc = (float*)malloc(sizeof(float) * scs * (size_t)QMAX);
+            const float* qs[QMAX];
+            float* os[QMAX];
+            int nq[QMAX];
             #pragma omp for schedule(static)
-            for (int item = 0; item < z->T * z->Hkv * parts; item++) {
-                int t = item / (z->Hkv * parts), kh = item / parts % z->Hkv, h0 = kh * grp + item % parts * gs;
-                int g = (kh + 1) * grp - h0 < gs ? (kh + 1) * grp - h0 : gs;
-                keys_t s = {kc, vc, tk ? tk + (size_t)t * tcap * stride : NULL, tv ? tv + (size_t)t * tcap * stride : NULL,
-                            tables + (size_t)rowseq[t] * z->tw, z->bs, (int)npool[t], ntail, stride, (size_t)kh * z->D};
-                const float* q = qkv + (size_t)t * W + (size_t)h0 * z->D;
-                float* o = att + ((size_t)t * z->Hq + (size_t)h0) * z->D;
-                if (z->D == 64) attend_gd(q, &s, 64, g, z->scale, sc, scs, o);
-                else if (z->D == 128) attend_gd(q, &s, 128, g, z->scale, sc, scs, o);
-                else attend_gd(q, &s, z->D, g, z->scale, sc, scs, o);
+            for (int item = 0; item < nruns * z->Hkv * parts; item++) {
+                int run = item / (z->Hkv * parts), kh = item / parts % z->Hkv, h0 = kh * grp + item % parts * gs;
+                int g = (kh + 1) * grp - h0 < gs ? (kh + 1) * grp - h0 : gs, t0 = run0[run], Q = 0, nmax = 0;
+                for (int t = t0; t < run0[run + 1]; t++)
+                    for (int h = h0; h < h0 + g; h++, Q++) {
+                        qs[Q] = qkv + (size_t)t * W + (size_t)h * z->D;
+                        os[Q] = att + ((size_t)t * z->Hq + h) * z->D;
+                        nq[Q] = (int)npool[t];
+                        if (nq[Q] > nmax) nmax = nq[Q];
+                    }
+                keys_t s = {kc, vc, tk ? tk + (size_t)t0 * tcap * stride : NULL, tv ? tv + (size_t)t0 * tcap * stride : NULL,
+                            tables + (size_t)rowseq[t0] * z->tw, z->bs, nmax, ntail, stride, (size_t)kh * z->D};
+                if (z->D == 64) attend_gd(qs, nq, os, &s, 64, Q, z->scale, sc, scs);
+                else if (z->D == 128) attend_gd(qs, nq, os, &s, 128, Q, z->scale, sc, scs);
+                else attend_gd(qs, nq, os, &s, z->D, Q, z->scale, sc, scs);
             }
             free(sc);
         }
+        free(run0);
         return;
     }
     #pragma omp parallel num_threads(z->nt)
