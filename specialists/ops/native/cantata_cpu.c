@@ -381,6 +381,19 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512* a) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
+/* q [D] (D a multiple of 16, at most 128) against 16 keys `stride` apart from k: the 16 dot products
+ * in key order, each the bits dot_f32 gives (its lanes' sums, then reduce16) */
+static inline __attribute__((always_inline)) __m512 dots16(const float* q, const float* k, size_t stride, const int D) {
+    __m512 acc[16];
+    for (int u = 0; u < 16; u++) {
+        const float* kr = k + (size_t)u * stride;
+        __m512 t = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(kr + c), t);
+        acc[u] = t;
+    }
+    return reduce16(acc);
+}
+
 #define GMAX 8  /* query heads a KV head serves in attend_gd (more: one head at a time) */
 #define QMAX 32  /* queries attend_gd takes at once: rows of a sequence x the query heads of a KV head */
 
@@ -401,15 +414,8 @@ static inline __attribute__((always_inline)) void attend_d(const float* q, const
         int e = n - j < bs ? n - j : bs, r = 0;
         if (D % 16 == 0 && D <= 128) {
             for (; r < e && r + 16 <= bs; r += 16) {  /* slots past e in the block are read, their scores dropped */
-                __m512 acc[16];
-                for (int u = 0; u < 16; u++) {
-                    const float* kr = kb + (size_t)(r + u) * stride;
-                    __m512 t = _mm512_setzero_ps();
-                    for (int c = 0; c < D; c += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(kr + c), t);
-                    acc[u] = t;
-                }
                 __mmask16 m = tail_mask(e - r);
-                __m512 v = _mm512_mul_ps(reduce16(acc), vscale);
+                __m512 v = _mm512_mul_ps(dots16(q, kb + (size_t)r * stride, stride, D), vscale);
                 _mm512_mask_storeu_ps(sc + j + r, m, v);
                 vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
             }
@@ -486,16 +492,8 @@ static inline __attribute__((always_inline)) void attend_gd(const float* const* 
                 for (int g = 0; g < Q; g++) {
                     int valid = nq[g] - j - r < e - r ? nq[g] - j - r : e - r;
                     if (valid <= 0) continue;
-                    const float* qg = qs[g];
-                    __m512 acc[16];
-                    for (int u = 0; u < 16; u++) {
-                        const float* kr = kb + (size_t)(r + u) * stride;
-                        __m512 t = _mm512_setzero_ps();
-                        for (int c = 0; c < D; c += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(kr + c), t);
-                        acc[u] = t;
-                    }
                     __mmask16 m = tail_mask(valid);
-                    __m512 v = _mm512_mul_ps(reduce16(acc), vscale);
+                    __m512 v = _mm512_mul_ps(dots16(qs[g], kb + (size_t)r * stride, stride, D), vscale);
                     _mm512_mask_storeu_ps(sc + g * scs + j + r, m, v);
                     vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], v);
                 }
