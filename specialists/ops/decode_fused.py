@@ -34,13 +34,12 @@ and pull their weights into L2 while the kernel before them finishes (CANTATA_PD
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from typing import NamedTuple
 
 from specialists.ops.attention import HALF
 
