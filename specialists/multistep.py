@@ -24,6 +24,7 @@ import torch
 
 from spec.acceptance import pack_runs
 from specialists.models.batch import ForwardBatch
+from specialists.ops.rows_cuda import row_argmax, step_rows
 from specialists.step_result import Staged
 
 __all__ = ["multi_decode", "step_batch"]
@@ -34,10 +35,8 @@ def step_batch(batch: ForwardBatch, tokens: torch.Tensor, j: int, block_size: in
     tokens [Bp] at positions + j, contexts + j, slots through the block tables."""
     if j == 0:
         return replace(batch, input_ids=tokens)
-    pos = batch.positions + j  # [Bp]
-    blocks = batch.block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long()  # [Bp]
-    return replace(batch, input_ids=tokens, positions=pos, slot_mapping=blocks * block_size + pos % block_size,
-                   context_lens=batch.context_lens + j)
+    pos, slots, ctx = step_rows(batch.positions, batch.context_lens, batch.block_tables, j, block_size)  # [Bp] each
+    return replace(batch, input_ids=tokens, positions=pos, slot_mapping=slots, context_lens=ctx)
 
 
 def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int,
@@ -58,7 +57,7 @@ def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int,
         if b.staged:
             carry = {layer: (c[:, -1], st[:, -1]) for layer, c, st in b.staged}
             states.append(Staged.of(b.staged))
-        cur = model.logits(hidden).float().argmax(-1)  # [Bp], as the one-token decode graph computes it
+        cur = row_argmax(model.logits(hidden))  # [Bp], as the one-token decode graph computes it
         out.append(cur)
     tokens = torch.stack(out, dim=1)  # [Bp, steps]
     staged = Staged(torch.cat([s.conv for s in states], dim=1), torch.cat([s.ssm for s in states], dim=1)) if states else None

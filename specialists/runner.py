@@ -42,6 +42,7 @@ from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch, SeqStep
 from specialists.multistep import multi_decode
 from specialists.options import EngineConfig
+from specialists.ops.rows_cuda import row_argmax
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
 from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
@@ -106,6 +107,8 @@ class Runner:
         self.padded_steps = self.static_steps = self.masked_steps = 0
         self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
         self.exact_rows = exact_rows(self.device, model.lm_head.dtype)  # rows a step's products stay row-invariant
+        if torch.device(self.device).type == "cuda" and getattr(model, "rope", None) is not None:
+            model.rope.tabulate(self.max_context_width, model.embed.dtype)  # RoPE rows gathered, not computed
 
     # ---- shapes ------------------------------------------------------------------------------
 
@@ -320,7 +323,7 @@ class Runner:
             logits = self.model.logits(hidden).float()
             if mask is not None:  # a guided step's grammar masks (static buffers)
                 mask.apply(logits)
-            best = logits.argmax(-1)
+            best = row_argmax(logits)
             staged = None
             if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
                 staged = Staged.of(batch.staged)

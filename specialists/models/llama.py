@@ -62,10 +62,22 @@ class Rope:
         self.inv_freq = inv_freq.float().to(device)  # [rotary_dim / 2]
         self.scaling = float(scaling)
         self.rotary_dim = 2 * self.inv_freq.shape[0]
+        self._table: torch.Tensor | None = None  # [n, 2, rotary_dim] cos, sin by position (tabulate)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, rotary_dim]."""
+        """positions [T] -> cos, sin [T, rotary_dim] (with a table in dtype: two views of one gather)."""
+        table = self._table
+        if table is not None and table.dtype == dtype and positions.device == table.device:
+            cs = table[positions]  # [T, 2, R]
+            return cs[:, 0], cs[:, 1]
         return rope_cos_sin(positions, self.inv_freq, dtype, self.scaling)
+
+    def tabulate(self, n: int, dtype: torch.dtype) -> None:
+        """cos / sin of positions 0..n-1 in dtype, computed once by the same elementwise ops, so the same
+        values: a CUDA graph's step gathers its rows (one kernel) instead of computing them (~7 a token).
+        Positions must stay below n (the runner's block tables' width)."""
+        self._table = torch.stack(rope_cos_sin(torch.arange(n, device=self.inv_freq.device), self.inv_freq, dtype,
+                                               self.scaling), dim=1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

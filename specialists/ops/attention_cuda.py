@@ -4,7 +4,10 @@ paged pool through the block table: no gathered [B, width] context, no masks, ~1
 layer. FlashDecoding-style: the keys of a query are split into chunks of CHUNK, one program per
 (token, KV head, chunk) keeps a running max, sum and weighted values (fp32), and the last program of
 a (token, head) to arrive combines the chunks in chunk order (an arrival counter per (token, head),
-as decode_fused's split-K): one kernel per layer, not two. At batch 1 that is 8 heads x (context /
+as decode_fused's split-K): one kernel per layer, not two. A chunk past the query's keys writes no
+partials and the combine reads the chunks with keys only, COMBINE_UNROLL at a time with their loads
+in flight together (a loop of one chunk at a time waited on each load: smollm2's 8.25 us a layer at
+a 384-token context, 6.86 so; H100, bench/results/attention_combine.jsonl). At batch 1 that is 8 heads x (context /
 64) programs instead of 8 (one program per token and head took 17 us per layer at a 400-token
 context on an H100).
 
@@ -27,12 +30,42 @@ from specialists.ops.decode_fused import arrival_locks
 __all__ = ["paged_attention_static", "CHUNK"]
 
 CHUNK = 64  # keys per program
+COMBINE_UNROLL = 8  # chunks whose partials the combine loads at once
+
+
+@triton.jit
+def _combine(m_ptr, l_ptr, acc_ptr, base, nv, G: tl.constexpr, HD: tl.constexpr, NSPLIT: tl.constexpr,
+             BLOCK_Q: tl.constexpr, U: tl.constexpr):
+    """The sums of chunks [0, nv) of a (token, KV head) from their partials, in chunk order: groups of U
+    chunks unrolled, so that a group's loads are in flight together (a chunk past the keys: masked,
+    weight exp(-inf) = 0, exact zeros, as when every chunk's partials were read)."""
+    r = tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, HD)
+    rg = r < G
+    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    for c0 in range(0, NSPLIT, U):
+        for j in tl.static_range(U):
+            cm = rg & (c0 + j < nv)
+            m = tl.maximum(m, tl.load(m_ptr + base + (c0 + j) * BLOCK_Q + r, mask=cm, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    l_i = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, HD), tl.float32)
+    for c0 in range(0, NSPLIT, U):
+        for j in tl.static_range(U):
+            cm = rg & (c0 + j < nv)
+            row = base + (c0 + j) * BLOCK_Q + r
+            w = tl.exp(tl.load(m_ptr + row, mask=cm, other=float("-inf"), cache_modifier=".cg") - m)
+            l_i += w * tl.load(l_ptr + row, mask=cm, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(acc_ptr + row[:, None] * HD + d[None, :], mask=cm[:, None], other=0.0,
+                                        cache_modifier=".cg")
+    return l_i, acc
 
 
 @triton.jit(do_not_specialize=["tokens_per_row", "stride_tab"])
 def _attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, lock_ptr, stride_tab,
                       tokens_per_row, scale, G: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                      NSPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, CH: tl.constexpr, LET_NEXT: tl.constexpr):
+                      NSPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, CH: tl.constexpr, U: tl.constexpr,
+                      LET_NEXT: tl.constexpr):
     if LET_NEXT:  # the next kernel, a product launched early (decode_fused.launches_early), may launch now
         gdc_launch_dependents()
     t = tl.program_id(0)  # query token
@@ -40,6 +73,7 @@ def _attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc
     s = tl.program_id(2)  # chunk of keys [s * CH, (s + 1) * CH)
     r = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, HD)
+    rg = r < G  # the rows that are query heads (BLOCK_Q >= 16 for the dots)
     lim = tl.load(pos_ptr + t) + 1  # causal: keys [0, position]
     n = s * CH + tl.arange(0, CH)
     nm = n < lim
@@ -47,8 +81,7 @@ def _attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, HD), tl.float32)
     if s * CH < lim:
-        rv = r < G
-        q = tl.load(q_ptr + (t * (HKV * G) + h * G + r[:, None]) * HD + d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + (t * (HKV * G) + h * G + r[:, None]) * HD + d[None, :], mask=rg[:, None], other=0.0).to(tl.float32)
         b = t // tokens_per_row
         blk = tl.load(tab_ptr + b * stride_tab + n // BS, mask=nm, other=0)
         slot = (blk * BS + n % BS).to(tl.int64)
@@ -63,27 +96,19 @@ def _attention_kernel(q_ptr, kp_ptr, vp_ptr, tab_ptr, pos_ptr, m_ptr, l_ptr, acc
     last = True
     if NSPLIT > 1:  # partials out; the last program of (t, h) to arrive combines them, in chunk order
         base = (t * HKV + h) * NSPLIT * BLOCK_Q
-        out = base + s * BLOCK_Q + r
-        tl.store(m_ptr + out, m_i)
-        tl.store(l_ptr + out, l_i)
-        tl.store(acc_ptr + out[:, None] * HD + d[None, :], acc)
+        if s * CH < lim:  # a chunk past the keys leaves no partials: the combine reads chunks < nv only
+            out = base + s * BLOCK_Q + r
+            tl.store(m_ptr + out, m_i, mask=rg)
+            tl.store(l_ptr + out, l_i, mask=rg)
+            tl.store(acc_ptr + out[:, None] * HD + d[None, :], acc, mask=rg[:, None])
         tl.debug_barrier()
         last = tl.atomic_add(lock_ptr + t * HKV + h, 1, sem="acq_rel") == NSPLIT - 1
         if last:
-            m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-            for c in range(NSPLIT):  # the running max over chunks, in chunk order
-                m = tl.maximum(m, tl.load(m_ptr + base + c * BLOCK_Q + r, cache_modifier=".cg"))
-            l_i = tl.zeros((BLOCK_Q,), tl.float32)
-            acc = tl.zeros((BLOCK_Q, HD), tl.float32)
-            for c in range(NSPLIT):
-                row = base + c * BLOCK_Q + r
-                w = tl.exp(tl.load(m_ptr + row, cache_modifier=".cg") - m)  # 0 for an empty chunk (m = -inf)
-                l_i += w * tl.load(l_ptr + row, cache_modifier=".cg")
-                acc += w[:, None] * tl.load(acc_ptr + row[:, None] * HD + d[None, :], cache_modifier=".cg")
+            l_i, acc = _combine(m_ptr, l_ptr, acc_ptr, base, tl.cdiv(lim, CH), G, HD, NSPLIT, BLOCK_Q, U)
             tl.atomic_xchg(lock_ptr + t * HKV + h, 0)
     if last:  # one chunk: its own sums (the combine of one chunk is exact: weight exp(0) = 1)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + (t * (HKV * G) + h * G + r[:, None]) * HD + d[None, :], o, mask=(r < G)[:, None])
+        tl.store(o_ptr + (t * (HKV * G) + h * G + r[:, None]) * HD + d[None, :], o, mask=rg[:, None])
 
 
 def paged_attention_static(
@@ -108,6 +133,6 @@ def paged_attention_static(
     _attention_kernel[(T, hkv, nsplit)](q, k_cache_layer, v_cache_layer, tables, batch.positions, m, l_, acc, o,
                                         arrival_locks(q.device, T * hkv), tables.stride(0), batch.max_query_len,
                                         hd ** -0.5 if scale is None else scale,
-                                        G=g, HKV=hkv, HD=hd, BS=bs, NSPLIT=nsplit, BLOCK_Q=bq, CH=CHUNK,
+                                        G=g, HKV=hkv, HD=hd, BS=bs, NSPLIT=nsplit, BLOCK_Q=bq, CH=CHUNK, U=min(nsplit, COMBINE_UNROLL),
                                         LET_NEXT=let_next)
     return o
