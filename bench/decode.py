@@ -30,9 +30,10 @@ identical_spec (greedy tokens equal to the non-speculative run's), mean_accepted
 step) and acceptance_by_position (a_j: fraction of depth-j drafts kept when drafted).
 
 With --spec-k two identical engines are loaded, both with the drafter, and swap sides every other
-batch (and round): two instances of one engine in one process can differ in speed by up to ~23% on a
-CPU (the first one made was the faster, 2026-11-26), which a fixed plain / speculative pair counted
-as speculation's gain or loss. --repeat R times every batch R times; speedup_after_first_round leaves
+batch: two instances of one engine in one process can differ in speed by up to ~23% on a CPU (the
+first one made was the faster, 2026-11-26), which a fixed plain / speculative pair counted as
+speculation's gain or loss. An engine keeps its side of a batch in every --repeat round, so a later
+round takes from the prefix cache what that side cached (bench/decode_sides.py `_role`). --repeat R times every batch R times; speedup_after_first_round leaves
 out the first, where the auto gate is still judging. With --policy auto: `gates` (each engine's
 speed-up and slow verdicts per bucket) and `step_times` (both engines' timed steps by what the gate
 decided, "off" the plain side: steps, seconds, tokens, us per token; where auto's time went).

@@ -110,6 +110,30 @@ def test_repeat_rounds_swap_engines_and_agree(tmp_path: Path, capsys) -> None:
     assert times["off"]["tokens"] == 2 * 2 * 10 and sum(v["tokens"] for k, v in times.items() if k != "off") == 2 * 2 * 10
 
 
+def test_a_later_round_hits_what_its_own_side_cached(tmp_path: Path, capsys) -> None:
+    """An engine keeps its side of a batch in every round: round 2's speculating side hits the blocks
+    its own round 1 cached with drafter entries, as the plain side hits its own. When the engines
+    swapped sides every round, the speculating side met the plain side's blocks (no drafter entries)
+    and computed its prompts again: half of these hits (120 of 261 prompt tokens, against 240)."""
+    results = tmp_path / "results.jsonl"
+    assert main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "2", "--max-new-tokens", "10",
+                 "--spec-k", "3", "--skip-hf", "--policy", "on", "--repeat", "2", "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["identical_spec"] == 1.0 and row["repeat_identical"] is True
+    assert row["prefix_hit_tokens"] >= 0.8 * row["prompt_tokens"]  # both sides' round 2: every full block
+
+
+def test_roles_balance_the_engines_and_keep_a_batchs_side() -> None:
+    from bench.decode_sides import _role
+
+    for n, repeat in ((4, 2), (5, 2), (6, 3), (1, 2)):
+        roles = [[_role(i, r, n) for r in range(repeat)] for i in range(n)]
+        if n % 2 == 0:
+            assert all(len(set(row)) == 1 for row in roles)  # a batch's side never changes between rounds
+        flat = [x for row in roles for x in row]
+        assert abs(flat.count(0) - flat.count(1)) <= (n * repeat) % 2  # each engine plain equally often
+
+
 def test_sides_swap_whole_gates() -> None:
     """Either engine runs either side with a gate of its own for each: the speculating gate comes back
     as it was left (its window, status and verdicts; a policy toggle would restart its window and probe
