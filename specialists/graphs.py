@@ -22,11 +22,31 @@ When not enabled (CPU, or graphs off in the engine's options: specialists/option
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
-__all__ = ["GraphCache"]
+__all__ = ["GraphCache", "no_collection"]
+
+
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (as it was after). A collection that runs during a
+    capture, triggered by the capture's own allocations, may destroy an unreachable engine's graphs or
+    pinned buffers (cudaGraphExecDestroy, cudaFreeHost), which a capture forbids: the capture is
+    invalidated ("operation failed due to a previous error during capture", once on the H100 in the
+    CUDA tests after other files' engines, session 21; CUDAGraph::reset warned "operation not
+    permitted when stream is capturing"). Deferred, such a collection runs after the capture."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _Captured(NamedTuple):
@@ -59,11 +79,12 @@ class GraphCache:
     def _capture(self, fn: Callable[[], Any]) -> _Captured:
         fn()  # eager warm-up: lazy initialisations happen outside the capture
         # capture on a side stream (a capture cannot run on the default stream); unlike torch.cuda.graph
-        # this does not collect garbage and empty the allocator's cache per graph (tens of ms each)
+        # this does not collect garbage and empty the allocator's cache per graph (tens of ms each), but
+        # no collection may run during the capture either (no_collection)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_collection():
             graph.capture_begin()
             try:
                 out = fn()
