@@ -29,6 +29,7 @@ from policies.policy import SpeculationPolicy
 from spec.acceptance import TypicalParams
 from spec.speculator import Speculator
 from spec.stats import SpecStats, StepTimes
+from spec.step import StepOutput
 from spec.triggers import TriggerSet
 from specialists.base_checkpoint import resolve_weights
 from specialists.chat import EOS_TOKEN, PAD_TOKEN
@@ -89,17 +90,14 @@ class Engine:
             self.speculator.decoding.allowed = self._may_decode_ahead
         tok = tokenizer.convert_tokens_to_ids
         eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
-        unk = tokenizer.unk_token_id
-        ids = {name: tok(name) for name in ("<tool_call>", "</tool_call>")}
-        ids = {k: (v if isinstance(v, int) and v != unk else None) for k, v in ids.items()}
-        self.eos_ids, self.triggers = eos, TriggerSet(frozenset(eos), ids["<tool_call>"], ids["</tool_call>"])
+        call = [i if isinstance(i := tok(n), int) and i != tokenizer.unk_token_id else None for n in ("<tool_call>", "</tool_call>")]
+        self.eos_ids, self.triggers = eos, TriggerSet(frozenset(eos), *call)  # the tool call's open and close tokens
         self.totals, self.step_times = SpecStats(), StepTimes()
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._step_lock: asyncio.Lock | None = None
-        self.steps = self._settle = 0  # _settle: steps until step times are judged again (after a prefill)
-        self.ready = False
+        self.ready, self.steps, self._settle = False, 0, 0  # _settle: steps until step times are judged again (after a prefill)
         self._grammars = Grammars(tokenizer, self.speculator.vocab_size, eos, grammar_bounds)
 
     @classmethod
@@ -258,13 +256,7 @@ class Engine:
             row.seq.stats.add_times(out.draft_s, out.verify_s, t_commit)
             if row.seq.status is Status.FINISHED:
                 self.speculator.forget(row.seq.seq_id)
-        drafted = any(row.k for row in rows)
-        self._settle = SETTLE_STEPS if step.prefills and self.gate.paired else max(0, self._settle - 1)
-        timed = not (step.prefills or self._settle) and (self.steps % HELD_EVERY == 0 or not (status == "fallback" and self.gate.holding))
-        if status != "off" and timed and (status != "on" or drafted):  # settled decode-only steps' time per token
-            # (an "on" step with no drafts, catching up, is neither figure; a resume's catch-up is a one-off, left out)
-            seconds = time.perf_counter() - t_step - out.catchup_s
-            self.gate.observe_time(status, len(rows), seconds, sum(kept), max(r.k for r in rows), guided)
+        self._time_step(status, bool(step.prefills), rows, out, sum(kept), guided, t_step)
         self.totals.add_times(out.draft_s, out.verify_s, t_commit)
         self.step_times.add(decided, time.perf_counter() - t_step, sum(kept))
         if self.cfg.check_invariants:
@@ -275,6 +267,17 @@ class Engine:
             if queue is not None:
                 queue.put_nowait(o)
         return outs
+
+    def _time_step(self, status: str, prefills: bool, rows: list, out: StepOutput, tokens: int, guided: bool, t: float) -> None:
+        """To the gate: settled decode-only steps' time per token (not an "on" step without drafts, catching up;
+        a resume's catch-up is a one-off, left out), and a speculating prefill's drafter pass (CPU: wall time)."""
+        self._settle = SETTLE_STEPS if prefills and self.gate.paired else max(0, self._settle - 1)
+        if status == "on" and prefills and self.gate.paired:
+            self.gate.charge(len(rows), out.rebuild_s - out.catchup_s, guided)
+        timed = not (prefills or self._settle) and (self.steps % HELD_EVERY == 0 or not (status == "fallback" and self.gate.holding))
+        if status != "off" and timed and (status != "on" or any(row.k for row in rows)):
+            seconds = time.perf_counter() - t - out.catchup_s
+            self.gate.observe_time(status, len(rows), seconds, tokens, max(r.k for r in rows), guided)
 
     def _plan_drafts(self, k: int, steps: int = 1) -> None:
         """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call; and

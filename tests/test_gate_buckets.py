@@ -241,3 +241,21 @@ def test_the_backoff_survives_a_reprobe_that_takes_several_steps_to_judge() -> N
     clock.now += 1
     timed_steps(gate, 200, spec_s=spec_s, plain_s=0.1, batch=8)
     assert gate.snapshot()["slow_buckets"] == {8: 10.0}
+
+
+def test_a_charged_prefill_cost_counts_against_speculation() -> None:
+    """The drafter's pass over new prompts is spent on a prefill step, which no figure times: charged,
+    it joins the bucket's next speculative step. A bucket whose decode steps alone run 1.2x plain
+    (0.25 s for 3 tokens against 0.1 a token) keeps speculating; with 0.5 s charged every 4 steps (a
+    request's prompt pass) it costs 0.125 s a token all in and is judged slow."""
+    policy = auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, max_running_batch=16, baseline_steps=4)
+    for charge, verdict in ((0.0, "on"), (0.5, "fallback")):
+        gate = SpeculationGate(policy, Clock(), paired=True)
+        seen = []
+        for _ in range(10):
+            gate.charge(1, charge)
+            seen += timed_steps(gate, 4, spec_s=0.25, plain_s=0.1, batch=1)
+        assert seen[-1] == verdict, (charge, seen)
+    assert gate.snapshot()["slow_buckets"] == {1: 10.0}
+    with pytest.raises(Exception):
+        gate.charge(1, -1.0)
