@@ -257,9 +257,9 @@ class SpeculationGate:
     def charge(self, batch: int, seconds: float, guided: bool = False) -> None:
         """Seconds a speculating step spent that no timed step shows and plain decoding does not spend: the
         drafter's pass over new prompts (a prefill step is not timed). Added to the bucket's next timed
-        speculative step. Without it the figure left out a cost every request pays: shell at batch 1
-        (CPU, 64-token replies) read 1.0-1.3 to the gate while its speculating steps cost 441 us a token
-        all in against 384 plain, and `auto` ran 0.92-0.95x plain (session 21)."""
+        speculative step. Without it the figure left out a cost every speculated request pays: at batch
+        8 (CPU, K=3) build's and shell's `auto` read 0.934-0.955x plain without it, 0.967-0.986x with it,
+        cpp unchanged at 1.25-1.28x (session 21)."""
         if seconds < 0:
             raise GateInputError(f"need seconds >= 0, got {seconds}")
         with self._lock:

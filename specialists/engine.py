@@ -273,7 +273,7 @@ class Engine:
         a resume's catch-up is a one-off, left out), and a speculating prefill's drafter pass (CPU: wall time)."""
         self._settle = SETTLE_STEPS if prefills and self.gate.paired else max(0, self._settle - 1)
         if status == "on" and prefills and self.gate.paired:
-            self.gate.charge(len(rows), out.rebuild_s - out.catchup_s, guided)
+            self.gate.charge(len(rows), max(0.0, out.rebuild_s - out.catchup_s), guided)
         timed = not (prefills or self._settle) and (self.steps % HELD_EVERY == 0 or not (status == "fallback" and self.gate.holding))
         if status != "off" and timed and (status != "on" or any(row.k for row in rows)):
             seconds = time.perf_counter() - t - out.catchup_s
