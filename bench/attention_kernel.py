@@ -1,5 +1,5 @@
 """The static decode attention kernel (specialists/ops/attention_cuda.py) alone, per real model's heads,
-timed as a CUDA graph of 30 calls (what a decode step replays; median of 5 x 50 replays), bf16:
+timed as a CUDA graph of 30 calls (what a decode step replays; bench.common.graph_us), bf16:
 
   python -m bench.attention_kernel [--shapes smollm2-135m llama-1b] [--results FILE] [--device cuda|cpu]
 
@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 import types
 
 import torch
 
-from bench.common import device_name, git_commit
+from bench.common import device_name, git_commit, graph_us
 from bench.shapes import shape_config
 
 BLOCK = 16
+CALLS = 30  # calls a graph: a decode step's attention layers, back to back
 CASES = [(1, 1, 384, 512), (1, 1, 1000, 1024), (1, 1, 2000, 2048), (8, 1, 384, 512), (32, 1, 384, 512), (4, 4, 384, 512)]
 CPU_CASES = [(1, 1, 200, 256), (4, 4, 300, 512), (2, 1, 70, 512)]
 
@@ -41,29 +40,6 @@ def _inputs(heads: int, kv_heads: int, hd: int, tokens: int, per_row: int, ctx: 
     batch = types.SimpleNamespace(block_tables=tables.to(dev), positions=pos.to(dev), max_query_len=per_row,
                                   max_context_len=width)
     return q, k, v, batch
-
-
-def _time(fn, dev: str, calls: int = 30, replays: int = 50) -> float | None:
-    if dev == "cpu":
-        return None
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / replays / calls * 1e6)
-    return round(statistics.median(runs), 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "block_tables": torch.nn.functional.pad(batch.block_tables, (0, width // BLOCK))})
             row = {"bench": "attention_kernel", "shape": name, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
                    "tokens": tokens, "tokens_per_row": per_row, "context": ctx, "width": width,
-                   "us": _time(lambda: paged_attention_static(q, k, v, batch), args.device),
+                   "us": None if args.device == "cpu" else round(graph_us([lambda: paged_attention_static(q, k, v, batch)] * CALLS), 2),
                    "equal_wider": bool(torch.equal(o, paged_attention_static(q, k, v, wide))),
                    "device_name": device_name(args.device), "commit": git_commit()}
             print(json.dumps(row), flush=True)

@@ -23,12 +23,11 @@ import argparse
 import itertools
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import device_name, git_commit
+from bench.common import device_name, git_commit, graph_us
 from bench.shapes import shape_config
 
 EPS = 1e-5
@@ -104,31 +103,6 @@ def _plain_products(cfg) -> list[tuple[str, int, int]]:
     return out
 
 
-def _time_us(fns: list, dev: str = "cuda") -> float:
-    """us per call: the calls (one per weight copy) captured as one CUDA graph, best of 3 x 20 replays."""
-    if dev == "cpu":  # the interpreter: one call's wall time
-        t0 = time.perf_counter()
-        fns[0]()
-        return 1e6 * (time.perf_counter() - t0)
-    for fn in fns:  # eager warm-up: compilation and lazy buffers outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, 1e3 * start.elapsed_time(end) / 20 / len(fns))
-    return best
-
-
 def _sweep(cfg, dt, dev: str, only: list[str] | None = None) -> dict[str, list]:
     """piece -> [[config, us at one row, us at four rows], ...] of mma over a grid of configurations."""
     out: dict[str, list] = {}
@@ -137,8 +111,8 @@ def _sweep(cfg, dt, dev: str, only: list[str] | None = None) -> dict[str, list]:
         one, four = _mma_pieces(cfg, 1, dt, dev, config), _mma_pieces(cfg, 4, dt, dev, config)
         for name in (n for n in one if not only or n in only):
             try:
-                out.setdefault(name, []).append([config, round(_time_us(one[name][1], dev), 2),
-                                                 round(_time_us(four[name][1], dev), 2)])
+                out.setdefault(name, []).append([config, round(graph_us(one[name][1], dev), 2),
+                                                 round(graph_us(four[name][1], dev), 2)])
             except Exception:  # noqa: BLE001 - a configuration the compiler refuses (shared memory) is skipped
                 continue
     return out
@@ -164,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
             for name, (torch_path, fused, nbytes) in _pieces(shape_config(shape), m, dt, dev).items():
                 if args.pieces and name not in args.pieces:
                     continue
-                f_us = _time_us(fused, dev)
+                f_us = graph_us(fused, dev)
                 row = {"bench": "fused_products", "shape": shape, "piece": name, "rows": m, "dtype": str(dt)[6:],
-                       "torch_us": round(_time_us(torch_path, dev), 2), "fused_us": round(f_us, 2),
+                       "torch_us": round(graph_us(torch_path, dev), 2), "fused_us": round(f_us, 2),
                        "max_abs_diff": (torch_path[0]().float() - fused[0]().float()).abs().max().item(),
                        "device_name": device, "commit": commit}
                 if nbytes:
