@@ -51,7 +51,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=True)
     allowed = eng.speculator.decoding.allowed
     if allowed is None:
-        raise SystemExit("this engine does not decode ahead (no CUDA graphs, or a hybrid)")
+        raise SystemExit("this engine does not decode ahead (no CUDA graphs)")
     times: dict[str, list[float]] = {"on": [], "off": []}
     outs: dict[str, list] = {}
     waited = args.max_new_tokens * -(-len(prompts) // args.batch_size)

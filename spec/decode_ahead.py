@@ -16,8 +16,13 @@ it before the scheduler runs: the KV it wrote past each sequence's pointer is ro
 zeroed and blocks released, as a rejected draft's. Its KV is reserved before the launch and kept by
 the commit of the step before (`KVCache.commit(hold=True)`). A finished sequence's blocks are freed
 while the step ahead may still write them, which is safe in stream order: whoever gets them next
-writes after it. Attention-only models: a hybrid's multi-step Mamba states are committed by the host
-after the step, and the step ahead would have to start from them.
+writes after it. A hybrid's multi-step Mamba states are staged and committed by the host after the
+step: before the step ahead launches, the state after every token of this step is written into the
+slots on the device (`SSMCache.write_staged_last`: the step ahead starts from it), and this step's
+commit then writes the state after the tokens it keeps (the same one, or an earlier one for a run cut
+short, whose step ahead is discarded). The runner replays two copies of a hybrid's multi-step graph
+in turn, so this step's staged states are not overwritten by the step ahead before that commit; the
+step ahead's own are staged when the next step uses it.
 
 Exact: the step ahead is the graph the next step would replay over the inputs it would build, so the
 tokens are the plain engine's (tests/test_decode_ahead.py).
@@ -77,6 +82,7 @@ class _Ahead:
     steps: int
     tokens: torch.Tensor  # [Bp, steps] (its graph's output, valid until that graph's next replay)
     wait: Callable[[], list]
+    staged: Any = None  # a hybrid's Mamba states [Bp, steps, L, ...], staged when the step is used
 
 
 class DecodeAhead:
@@ -122,14 +128,16 @@ class DecodeAhead:
         """A multi-step plan's forward: the step ahead when it ran these rows, else a launch now."""
         p = self._pending
         if p is None:
-            tokens, packed = self.runner.run_multi(plan.rows, plan.multi)
+            tokens, packed, _ = self.runner.run_multi(plan.rows, plan.multi)
             return MultiResult(tokens, packed)
         pos = {sid: i for i, sid in enumerate(p.seq_ids)}
         if plan.multi != p.steps or [p.committed.get(r.seq_id) for r in plan.rows] != plan.static.committed:
             raise RuntimeError("the step decoded ahead does not match the step scheduled (Engine.step settles it first)")
         self._pending = None
         self.used += 1
-        return MultiResult(p.tokens, wait=p.wait, rows=[pos[r.seq_id] for r in plan.rows])
+        rows = [pos[r.seq_id] for r in plan.rows]
+        self.runner.stage(plan.rows, p.staged, rows)
+        return MultiResult(p.tokens, wait=p.wait, rows=rows)
 
     def finish(self, plan: Any, res: MultiResult) -> StepOutput:
         """Launches the next step ahead when the engine allows it, then this step's one host sync ->
@@ -158,7 +166,9 @@ class DecodeAhead:
             feed = res.tokens[:B, S - 1]
         else:
             feed = res.tokens[device_ints(res.rows, res.tokens.device), S - 1]
-        tokens, packed = self.runner.run_multi(rows, S, advance=S, feed=feed)
+        if self.runner.ssm is not None:  # the step ahead starts from the states after this step's S tokens
+            self.runner.ssm.write_staged_last()
+        tokens, packed, staged = self.runner.run_multi(rows, S, advance=S, feed=feed, stage=False)
         self._pending = _Ahead([r.seq_id for r in rows], {r.seq_id: self.kv.num_computed(r.seq_id) + S for r in rows},
-                               S, tokens, self.copies.start(packed[:B]))
+                               S, tokens, self.copies.start(packed[:B]), staged)
         self.launched += 1

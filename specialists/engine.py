@@ -86,7 +86,7 @@ class Engine:
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
         self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
         self.scheduler.draft_lookahead = self.speculator.ahead_pool
-        if cfg.decode_ahead and self.ssm is None:  # spec/decode_ahead.py (a hybrid's states commit on the host)
+        if cfg.decode_ahead:  # spec/decode_ahead.py
             self.speculator.decoding.allowed = self._may_decode_ahead
         tok = tokenizer.convert_tokens_to_ids
         eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}

@@ -117,7 +117,7 @@ class EngineConfig:
     cuda_graphs: bool
     fused_drafter: bool
     decode_steps: int
-    decode_ahead: bool  # spec/decode_ahead.py: attention-only models, static multi-step decodes
+    decode_ahead: bool  # spec/decode_ahead.py: static multi-step decodes (hybrids too)
     quantization: str = "auto"  # the engine resolves "auto" against its model (quantize.resolve)
 
 

@@ -101,6 +101,7 @@ class Runner:
         self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len),
                                    max_seqs=max(16, bucket_size(cfg.max_num_seqs)), max_blocks=max(64, blocks))
         self.graphs = GraphCache(cfg.cuda_graphs)
+        self._parity = 0  # a hybrid's multi-step graphs alternate between two copies (run_multi)
         self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None  # guided steps
         self._generation = self.inputs.generation
         # steps with padding rows, as static batches (graphs on CUDA), of those masked by grammars in the step
@@ -275,36 +276,46 @@ class Runner:
             mask = self.static_masks.stage(batch.num_seqs * batch.max_query_len, *masks)
             self.masked_steps += 1
         out = self._static_step(batch, rebuild, mask)
-        self._stage(rows, out.staged)
+        self.stage(rows, out.staged)
         T = real.num_tokens
         return StepResult(out.logits[:T], out.hidden[:T], real, out)
 
     @torch.inference_mode()
-    def run_multi(self, rows: list[BatchRow], steps: int, advance: int = 0,
-                  feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_multi(self, rows: list[BatchRow], steps: int, advance: int = 0, feed: torch.Tensor | None = None,
+                  stage: bool = True) -> tuple[torch.Tensor, torch.Tensor, Staged | None]:
         """`steps` greedy one-token decodes of every row (a static batch) in one graph
-        (specialists/multistep.py) -> (tokens [Bp, steps], packed [Bp, 2 steps]) on the device.
-        `advance`, `feed` (spec/decode_ahead.py): each row starts `advance` positions past its committed
-        end, from the token feed[b] on the device (not its host token)."""
+        (specialists/multistep.py) -> (tokens [Bp, steps], packed [Bp, 2 steps], a hybrid's Mamba states
+        [Bp, steps, L, ...] or None) on the device; with `stage` the states are staged for the commit.
+        `advance`, `feed`, stage False (spec/decode_ahead.py): each row starts `advance` positions past its
+        committed end, from the token feed[b] on the device (not its host token), from the Mamba states
+        in its slot (the step before wrote its last ones there), and its states are staged when it is used.
+        A hybrid's consecutive calls replay two copies of the graph in turn, so a step's states stay
+        intact while the step decoded ahead of it runs (its commit comes after that launch)."""
         batch, _ = self.build(rows, lookahead=steps - 1, advance=advance)
         if not batch.static:
             raise ValueError("multi-step decodes need a static batch")
         if feed is not None:
             batch.input_ids[: feed.shape[0]].copy_(feed)
-        tokens, packed, staged = self._multi_step(batch, steps)
-        self._stage(rows, staged)
-        return tokens, packed
+        if self.ssm is not None:
+            self._parity ^= 1
+        tokens, packed, staged = self._multi_step(batch, steps, self._parity)
+        if stage:
+            self.stage(rows, staged)
+        return tokens, packed, staged
 
-    def _stage(self, rows: list[BatchRow], staged: Staged | None) -> None:
-        """A static step's Mamba states of each token (real rows only), for the commit after acceptance."""
+    def stage(self, rows: list[BatchRow], staged: Staged | None, order: list[int] | None = None) -> None:
+        """A static step's Mamba states of each token (real rows only), for the commit after acceptance;
+        `order`: row b's states are the staged row order[b] (a step decoded ahead over more rows)."""
         if staged is not None:
             B = len(rows)
-            self.ssm.stage_all([r.ssm_slot for r in rows], staged.conv[:B], staged.ssm[:B])
+            conv, ssm = (staged.conv[:B], staged.ssm[:B]) if order is None or order == list(range(B)) else \
+                (staged.conv[device_ints(order, staged.conv.device)], staged.ssm[device_ints(order, staged.ssm.device)])
+            self.ssm.stage_all([r.ssm_slot for r in rows], conv, ssm)
 
-    def _multi_step(self, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _multi_step(self, batch: ForwardBatch, steps: int, parity: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
-        return self.graphs.run(("multi", batch.num_seqs, steps, batch.max_context_len),
-                               lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm))
+        key = ("multi", batch.num_seqs, steps, batch.max_context_len) + ((parity,) if self.ssm is not None else ())
+        return self.graphs.run(key, lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm))
 
     def _check_generation(self) -> None:
         if self.inputs.generation != self._generation:  # the buffers were reallocated
@@ -346,7 +357,8 @@ class Runner:
         request pays for the capture; steps > 1: the multi-step decode graph (q = 1). False when there
         are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
-        key = ("multi", Bp, steps, width) if steps > 1 else _step_key(Bp, q, width, rebuild, masked)
+        key = ("multi", Bp, steps, width) + ((1,) if self.ssm is not None else ()) if steps > 1 else \
+            _step_key(Bp, q, width, rebuild, masked)
         if (not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q)
                 or (masked and self.static_masks is None)):
             return False
@@ -360,7 +372,11 @@ class Runner:
         inp.upload()
         views = self._views(lay, Bp, lay.Tp, lay.Tp, [-1] * Bp, [q] * Bp, [False] * Bp, width)
         mask = self.static_masks.buffers(Bp * q) if masked else None
-        self._multi_step(views, steps) if steps > 1 else self._static_step(views, rebuild, mask)
+        if steps > 1:
+            for parity in (0, 1) if self.ssm is not None else (0,):  # a hybrid's two copies (run_multi)
+                self._multi_step(views, steps, parity)
+        else:
+            self._static_step(views, rebuild, mask)
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
         return True
 

@@ -212,6 +212,18 @@ class SSMCache:
             raise RuntimeError("layers already have staged states; commit first")
         self._staged[_ALL] = (idx, conv_states, ssm_states)
 
+    def write_staged_last(self) -> None:
+        """Writes every staged slot's state after all its staged tokens into the slot, keeping the
+        staging for `commit` (which then writes the state after the tokens it keeps): the next step
+        decoded ahead (spec/decode_ahead.py) starts from that state before the host has read this step.
+        Staged by `stage_all` only (a static step's, every layer at once)."""
+        if set(self._staged) != {_ALL}:
+            raise RuntimeError("write_staged_last needs one stage_all staging")
+        idx, convs, ssms = self._staged[_ALL]
+        d = device_ints(idx.tolist(), self.conv.device)
+        self.conv[d] = convs[:, -1].to(self.conv.device, self.conv.dtype)
+        self.ssm[d] = ssms[:, -1].to(self.ssm.device, torch.float32)
+
     def staged_layers(self) -> list[int]:
         if _ALL in self._staged:
             return list(range(self.config.num_layers))

@@ -6,7 +6,8 @@ Against the same engine without it, on the same weights: greedy tokens identical
 requests of different lengths, cut at EOS, stop strings and max_tokens S does not divide, with
 requests arriving and aborted between steps and a policy switch mid-run; the steps ahead were used
 and, where the batch changed, discarded; the KV invariants (pointer, reservations, zero tails, the
-prefix cache's blocks) hold after every step; a hybrid never decodes ahead.
+prefix cache's blocks) hold after every step. A hybrid (cpp, python: Mamba layers) decodes ahead too,
+its Mamba states after every step equal to the plain engine's.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def _params() -> list[SamplingParams]:
             SamplingParams(max_tokens=18, ignore_eos=True), SamplingParams(max_tokens=27, ignore_eos=True)]
 
 
-def test_decoding_ahead_gives_the_plain_engines_tokens() -> None:
-    ref, eng = _engine("shell", False), _engine("shell", True)
-    prompts, params = _prompts(eng, "shell", 6), _params()
+@pytest.mark.parametrize("domain", ["shell", "cpp"])
+def test_decoding_ahead_gives_the_plain_engines_tokens(domain: str) -> None:
+    ref, eng = _engine(domain, False), _engine(domain, True)
+    prompts, params = _prompts(eng, domain, 6), _params()
     plan = dict(arrive={0: [0, 1, 2], 3: [3], 9: [4, 5]}, abort={12: 4}, switch={})
     want = _drive(ref, prompts, params, **plan)
     got = _drive(eng, prompts, params, **plan)
@@ -89,11 +91,13 @@ def test_decoding_ahead_gives_the_plain_engines_tokens() -> None:
     assert not eng.kv.sequence_ids()  # every sequence's blocks went back (the reservations ahead too)
 
 
-def test_a_policy_switch_discards_the_step_ahead_and_stays_exact() -> None:
+@pytest.mark.parametrize("domain", ["build", "python"])
+def test_a_policy_switch_discards_the_step_ahead_and_stays_exact(domain: str) -> None:
     """Speculation switched on while a step ahead is in flight: it is discarded (its KV past each
-    pointer rolled back, zero tails checked every step) and the verify steps give the same tokens."""
-    ref, eng = _engine("build", False, "off"), _engine("build", True, "off")
-    prompts = _prompts(eng, "build", 3)
+    pointer rolled back, zero tails checked every step) and the verify steps give the same tokens
+    (a hybrid's verify starts from the Mamba states the plain steps committed)."""
+    ref, eng = _engine(domain, False, "off"), _engine(domain, True, "off")
+    prompts = _prompts(eng, domain, 3)
     params = [SamplingParams(max_tokens=37, ignore_eos=True)] * 3
     plan = dict(arrive={0: [0, 1, 2]}, abort={}, switch={4: "on", 9: "off"})
     want = _drive(ref, prompts, params, **plan)
@@ -119,12 +123,14 @@ def test_auto_holding_speculation_off_decodes_ahead_and_a_probe_discards_it() ->
     assert eng.totals.as_dict()["drafted"] > 0  # it did speculate once the batch was small enough
 
 
-def test_a_run_cut_short_by_a_trigger_discards_the_step_ahead() -> None:
+@pytest.mark.parametrize("domain", ["shell", "cpp"])
+def test_a_run_cut_short_by_a_trigger_discards_the_step_ahead(domain: str) -> None:
     """A tool-call open tag inside a run cuts it (the sequence goes on, in its tool segment): the step
     decoded ahead assumed the whole run, so it is discarded, its KV rolled back (zero tails checked
-    every step), and the tokens stay the plain engine's. The tag here: a token the model emits often."""
-    ref, eng = _engine("shell", False), _engine("shell", True)
-    prompts = _prompts(eng, "shell", 3)
+    every step), a hybrid's Mamba states those after the kept tokens, and the tokens stay the plain
+    engine's. The tag here: a token the model emits often."""
+    ref, eng = _engine(domain, False), _engine(domain, True)
+    prompts = _prompts(eng, domain, 3)
     params = [SamplingParams(max_tokens=45, ignore_eos=True)] * 3
     first = ref.generate(prompts[:1], params[0])[0].token_ids
     tag = max(set(first[6:]), key=first[6:].count)
@@ -149,9 +155,33 @@ def test_new_requests_wait_one_step_and_lose_nothing() -> None:
     assert eng.stats["decode_ahead"]["used"] > 0
 
 
-def test_a_hybrid_never_decodes_ahead() -> None:
-    eng = _engine("cpp", True)
-    prompts = _prompts(eng, "cpp", 2)
-    outs = eng.generate(prompts, SamplingParams(max_tokens=17, ignore_eos=True))
-    assert [len(o.token_ids) for o in outs] == [17, 17]
-    assert eng.stats["decode_ahead"]["launched"] == 0
+def _states(engine: Engine) -> dict[str, tuple[int, torch.Tensor, torch.Tensor]]:
+    """request id -> (committed tokens, conv, ssm) of each running sequence's Mamba slot."""
+    return {rid: (engine.kv.num_computed(seq.seq_id), engine.ssm.conv[seq.ssm_slot].clone(), engine.ssm.ssm[seq.ssm_slot].clone())
+            for rid, seq in engine._seqs.items() if seq.ssm_slot >= 0}
+
+
+def test_a_hybrids_states_after_each_step_are_the_plain_engines() -> None:
+    """A hybrid decoding ahead: after every engine step, each running sequence's Mamba state (conv and
+    SSM, every layer) equals the plain engine's at the same committed length, bit for bit: the step
+    ahead started from the states after this step's tokens, and this step's commit (after that launch)
+    wrote the states after exactly the tokens kept (a stop string cuts a run short here)."""
+    ref, eng = _engine("python", False), _engine("python", True)
+    prompts = _prompts(eng, "python", 3)
+    params = [SamplingParams(max_tokens=29, ignore_eos=True), SamplingParams(max_tokens=35, ignore_eos=True, stop=[")"]),
+              SamplingParams(max_tokens=22, ignore_eos=True)]
+    for i, p in enumerate(prompts):
+        ref.add_request(p, params[i], f"r{i}")
+        eng.add_request(p, params[i], f"r{i}")
+    compared = 0
+    while eng.has_unfinished() or ref.has_unfinished():
+        ref.step()
+        eng.step()
+        want, got = _states(ref), _states(eng)
+        for rid, (n, conv, ssm) in got.items():
+            if rid in want and want[rid][0] == n:
+                assert torch.equal(conv, want[rid][1]) and torch.equal(ssm, want[rid][2]), (rid, n)
+                compared += 1
+        eng.kv.check_invariants()
+    assert compared >= 8
+    assert eng.stats["decode_ahead"]["used"] >= 3, eng.stats["decode_ahead"]

@@ -170,3 +170,27 @@ def test_bad_commits_change_nothing(params) -> None:
         cache.stage(0, slots, convs[:, :, :-1], ssms)  # wrong conv shape
     with pytest.raises(ValueError):
         cache.stage(0, [3], convs[:1], ssms[:1])  # slot 3 not allocated
+
+
+def test_write_staged_last_writes_the_last_states_and_commit_still_keeps_fewer(params) -> None:
+    """Before a step decoded ahead launches (spec/decode_ahead.py) the state after all staged tokens
+    goes into each slot, the staging kept; the step's commit then writes the state after the tokens it
+    keeps (fewer for a run cut short): the slots end as a commit alone leaves them."""
+    torch.manual_seed(3)
+    cache, alone = _cache(params), _cache(params)
+    slots = [cache.allocate() for _ in range(3)]
+    assert [alone.allocate() for _ in range(3)] == slots
+    c = cache.config
+    conv = torch.randn(3, 4, c.num_layers, c.conv_dim, c.d_conv - 1)
+    ssm = torch.randn(3, 4, c.num_layers, c.num_heads, c.head_dim, c.d_state)
+    with pytest.raises(RuntimeError):
+        cache.write_staged_last()  # nothing staged
+    cache.stage_all(slots, conv, ssm)
+    cache.write_staged_last()
+    for b, s in enumerate(slots):
+        assert torch.equal(cache.conv[s], conv[b, -1]) and torch.equal(cache.ssm[s], ssm[b, -1])
+    cache.commit(slots, [4, 2, 1])
+    alone.stage_all(slots, conv, ssm)
+    alone.commit(slots, [4, 2, 1])
+    assert torch.equal(cache.conv, alone.conv) and torch.equal(cache.ssm, alone.ssm)
+    assert torch.equal(cache.ssm[slots[1]], ssm[1, 1]) and cache.staged_layers() == []
