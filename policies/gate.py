@@ -52,6 +52,13 @@ SPEC_STEPS = 256
 # this many speculative steps: a plain figure taken once, right after a prefill (slower steps while
 # the caches refill), kept build's batch 8 speculating at 0.82-0.89x (2026-11-26); ~3% of the steps
 REFRESH_EVERY = 256
+# the first refresh of a bucket's plain figure comes after this many speculative steps, each next one
+# after twice as many, up to REFRESH_EVERY: a baseline is a few steps, and one taken in a stall (python,
+# H100, batch 1: plain steps read 10x slower than those around them, s22) kept a losing bucket
+# speculating at 0.67x for a whole run; now such a verdict lasts 32 steps. Not for a paired gate (a
+# CPU's): its baselines cost the drafter's catch-up on resume, and the early refreshes cost cpp's
+# winning buckets ~1% (b1 1.531, 1.559 against 1.594, 1.563; b8 1.301, 1.271 against 1.299, 1.291)
+REFRESH_FIRST = 32
 # no step time is reported within this many steps of a prefill: those run up to 2x slower (caches refill;
 # build b8 CPU 1.86, 1.29, 1.05, then 0.9 ms), and a baseline taken there judged build's b8 faster speculating
 SETTLE_STEPS = 3
@@ -105,6 +112,7 @@ class SpeculationGate:
         self._slow: dict[Bucket, tuple[float, float]] = {}  # bucket -> (slow until, the cooldown it got)
         self._reprobe: dict[Bucket, float] = {}  # bucket -> the cooldown of its expired slow verdict
         self._since_plain: dict[Bucket, int] = {}  # bucket -> speculative steps since its plain figure was taken
+        self._refresh: dict[Bucket, int] = {}  # bucket -> speculative steps until its next refresh (REFRESH_FIRST..EVERY)
         self._charged: dict[Bucket, float] = {}  # bucket -> seconds speculation cost outside timed steps (charge)
         # paired: a CPU engine's gate (its plain steps owe the drafter's entries, caught up on resume; not with
         # multi-step graphs): a bucket's plain figure comes first
@@ -126,7 +134,7 @@ class SpeculationGate:
             self._window = RollingAcceptance(policy.auto.window)
             if fresh or policy.model_copy(update={"mode": old.mode}) != old:
                 for figures in (self._spec_spt, self._plain_spt, self._k_spt, self._k_steps, self._slow, self._reprobe,
-                                self._since_plain, self._charged):
+                                self._since_plain, self._charged, self._refresh):
                     figures.clear()
             self._enter(_base_status(policy), "policy")
             status = self._status
@@ -248,7 +256,10 @@ class SpeculationGate:
             if not self._window.full:
                 return
             plain = self._plain_spt.get(b)
-            if plain is None or plain.value is None or self._since_plain.get(b, 0) >= REFRESH_EVERY:
+            due = self._refresh.get(b, REFRESH_EVERY if self.paired else REFRESH_FIRST)
+            if plain is None or plain.value is None or self._since_plain.get(b, 0) >= due:
+                if plain is not None:  # a refresh: the next one comes twice as late
+                    self._refresh[b] = min(REFRESH_EVERY, 2 * due)
                 self._plain_spt.pop(b, None)  # a fresh plain figure, taken now
                 self._fall_back("baseline")
                 return

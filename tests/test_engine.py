@@ -352,7 +352,8 @@ def test_time_gate_falls_back_where_speculation_cannot_pay(engines) -> None:
         assert "baseline" in reasons, reasons
         assert ("slow" in reasons) == (target > 1), reasons  # 9x never happens; 0.2x always does
         if target < 1:
-            assert reasons[-1] == "probe", reasons  # back on after the baseline, and it stays on
+            # back on after the baseline, and it stays on (but for its refreshes: gate.REFRESH_FIRST)
+            assert "probe" in reasons[reasons.index("baseline"):] and reasons[-1] in ("probe", "baseline"), reasons
         assert eng.gate.speedup(1) is not None
         del rid
     plain = engines.get("build", policy=SpeculationPolicy(mode="off")).generate([prompt[0]], greedy(96))[0].token_ids

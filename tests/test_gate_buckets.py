@@ -255,7 +255,43 @@ def test_a_charged_prefill_cost_counts_against_speculation() -> None:
         for _ in range(10):
             gate.charge(1, charge)
             seen += timed_steps(gate, 4, spec_s=0.25, plain_s=0.1, batch=1)
-        assert seen[-1] == verdict, (charge, seen)
-    assert gate.snapshot()["slow_buckets"] == {1: 10.0}
+        slow = gate.snapshot()["slow_buckets"]
+        assert (slow == {1: 10.0}) == (verdict == "fallback"), (charge, seen)
+        if verdict == "on":  # speculating but for its baselines (a refresh after REFRESH_FIRST steps)
+            assert seen.count("on") >= 30 and gate.snapshot()["reason"] != "slow", seen
     with pytest.raises(Exception):
         gate.charge(1, -1.0)
+
+
+def test_a_plain_figure_taken_in_a_stall_is_measured_again_soon() -> None:
+    """A bucket's baseline taken while the machine stalled (plain steps 20x their cost) judges a losing
+    bucket fast; its plain figure is measured again after REFRESH_FIRST speculative steps (then after
+    twice as many each time, up to REFRESH_EVERY), so the bucket falls back within ~REFRESH_FIRST steps
+    instead of speculating at a loss for REFRESH_EVERY. A paired gate (a CPU's: a baseline costs the
+    drafter's catch-up) refreshes every REFRESH_EVERY steps from the start."""
+    from policies.gate import REFRESH_EVERY, REFRESH_FIRST
+
+    clock = Clock()
+    gate = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, baseline_steps=4), clock)
+    seen = timed_steps(gate, 8, spec_s=0.5, plain_s=2.0)  # window, baseline in the stall, judged fast
+    assert seen[-1] == "on" and gate.speedup(1) > 5
+    seen = timed_steps(gate, REFRESH_FIRST + 12, spec_s=0.5, plain_s=0.1)  # 0.6x of plain in truth
+    assert seen[-1] == "fallback" and gate.snapshot()["reason"] == "slow"
+    assert seen.count("on") <= REFRESH_FIRST + 2
+
+    winning = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, baseline_steps=4), clock)
+    seen = timed_steps(winning, 1200, spec_s=0.2, plain_s=0.1)  # 1.5x: speculates, refreshing now and then
+    runs, n = [], 0  # speculative steps between baselines
+    for status in seen:
+        if status == "on":
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    assert runs[1:5] == [REFRESH_FIRST, 2 * REFRESH_FIRST, 4 * REFRESH_FIRST, REFRESH_EVERY][:len(runs[1:5])]
+    assert len(runs) >= 5 and max(runs) == REFRESH_EVERY
+    paired = SpeculationGate(auto_policy(min_acceptance=0.1, window=6, min_speedup=1.0, baseline_steps=4), clock, paired=True)
+    paired.observe_time("fallback", 1, 0.1, 1)  # the engine times its steps: the bucket's plain figure comes first
+    seen = timed_steps(paired, 700, spec_s=0.2, plain_s=0.1)
+    runs = [len(r) for r in "".join("o" if x == "on" else "." for x in seen).split(".") if r]
+    assert runs[1:2] == [REFRESH_EVERY], runs
