@@ -14,7 +14,8 @@ another bucket than a free one of its size). Once the acceptance window is full,
 figure for the current bucket -> "fallback" ("baseline", to measure one); plain / speculative below
 min_speedup (the median plain step's seconds per token over the mean speculative ones) -> "fallback"
 ("slow") for that bucket only: the verdict is kept per bucket for
-``cooldown_s`` (doubled each time a re-probe of the bucket finds it slow again, up to 8x), so a batch
+``cooldown_s`` times how many times slower speculation ran (1 / speedup, at most 8x; doubled each
+time a re-probe of the bucket finds it slow again, up to 8x), so a batch
 that moves to a bucket where speculation pays speculates at once, and one that comes back to a slow
 bucket falls back at once, without measuring again. A re-probe judges the bucket on fresh figures.
 What a speculating prefill step spends on the drafter's pass over its prompts is charged to the
@@ -69,6 +70,15 @@ SETTLE_STEPS = 3
 # 8 on an H100) is still judged slow within its first window (the margin is 0.35 at 2 steps, 0.06 at 64)
 SLOW_MARGIN = 0.5
 HELD_EVERY = 8  # a held slow verdict: one plain step in 8 timed (~8 us of bookkeeping a step, ~1% at CPU b8)
+
+
+def _cooldown(base: float, speedup: float, last: float | None) -> float:
+    """A slow verdict's length: base x 1 / speedup (a probe of a bucket where speculation ran at 0.1x
+    costs ten times what one at 0.9x costs, so it comes ten times less often: the toys' batch 8 on
+    an H100 ran at 0.08-0.56x and re-probed every 10 s, ~half of `auto`'s 6% loss on cpp, s22), and
+    twice the last one after a re-probe judged slow again; at most 8 x base."""
+    first = base * min(8.0, 1.0 / max(speedup, 1e-9))
+    return min(8 * base, first if last is None else max(first, 2 * last))
 
 
 def _k_options(policy: SpeculationPolicy) -> tuple[int, ...]:
@@ -284,7 +294,7 @@ class SpeculationGate:
         steps = self._spec_spt[b].count if b in self._spec_spt else 0
         if speedup is not None and speedup < gating.min_speedup * (1 - SLOW_MARGIN / max(1, steps) ** 0.5):
             last = self._reprobe.pop(b, None)  # slow again after a re-probe: wait twice as long
-            cooldown = gating.cooldown_s if last is None else min(8 * gating.cooldown_s, 2 * last)
+            cooldown = _cooldown(gating.cooldown_s, speedup, last)
             self._slow[b] = (self._clock() + cooldown, cooldown)
             self._fall_back("slow")
             return True
