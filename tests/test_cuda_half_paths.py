@@ -28,7 +28,41 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"), torch.bfloat16, "cuda", drafter_k=3)
 
 
+@pytest.fixture(scope="module")
+def bamba_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("tiny-bamba", tmp_path_factory.mktemp("tiny-bamba"), torch.bfloat16, "cuda", drafter_k=3)
+
+
 def test_engine_tokens_are_transformers_argmax_where_clear(checkpoint: Path) -> None:
+    _argmax_where_clear(checkpoint)
+
+
+def test_a_hybrid_keeps_transformers_argmax_and_speculation_exact_with_mixed_steps(bamba_checkpoint: Path) -> None:
+    """A Bamba in bf16 on the half paths (fused attention and MLP, the fused Mamba step, static steps as
+    CUDA graphs): greedy tokens are transformers' argmax where clear, and speculative output equals plain
+    output with requests arriving while others decode (mixed prefill + decode steps, eager)."""
+    _argmax_where_clear(bamba_checkpoint)
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=4)
+    outs = []
+    for policy in (SpeculationPolicy(mode="off"), SpeculationPolicy(mode="on", num_speculative_tokens=3)):
+        engine = Engine.from_pretrained(bamba_checkpoint, policy=policy, **kw)
+        prompts = [list(range(11, 11 + n)) for n in (5, 33, 70, 21)]
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        got, step = {}, 0
+        while step < 3 or engine.has_unfinished():
+            if step < 3:  # arrivals while the others decode: mixed prefill + decode steps
+                engine.add_request(prompts[step], params, f"r{step}")
+            if step == 2:
+                engine.add_request(prompts[3], params, "r3")
+            for o in engine.step():
+                got[o.request_id] = list(o.token_ids)
+            step += 1
+        outs.append(got)
+        assert engine.runner.static_steps > 0
+    assert outs[0] == outs[1] and all(len(v) == 40 for v in outs[0].values())
+
+
+def _argmax_where_clear(checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to("cuda").eval()
