@@ -35,7 +35,7 @@ class AutoGating(_Frozen):
     min_acceptance: float = Field(0.1, ge=0.0, le=1.0)  # rolling accepted/drafted below this -> fallback (only with min_speedup 0: else time judges)
     window: int = Field(64, ge=1, le=1_000_000)  # drafted tokens in the rolling window (judged when full)
     max_running_batch: int = Field(8, ge=1)  # running sequences above this -> fallback
-    cooldown_s: float = Field(10.0, ge=0.0)  # seconds in fallback before probing again
+    cooldown_s: float = Field(10.0, ge=0.0)  # seconds in fallback before probing again (a slow verdict: / speed-up, <= 8x)
     # > 0: also fall back when speculating emits tokens less than min_speedup times as fast as plain
     # decoding did (seconds per emitted token, per batch-size bucket; the plain figure is measured in
     # fallback, and a first fallback ("baseline", baseline_steps plain steps of that bucket) is taken to
