@@ -101,7 +101,10 @@ class Runner:
         self.inputs = StaticInputs(self.device, max_tokens=max(256, 8 * cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len),
                                    max_seqs=max(16, bucket_size(cfg.max_num_seqs)), max_blocks=max(64, blocks))
         self.graphs = GraphCache(cfg.cuda_graphs)
-        self._parity = 0  # a hybrid's multi-step graphs alternate between two copies (run_multi)
+        # a hybrid decoding ahead alternates between two copies of each multi-step graph (run_multi): bamba-1b's
+        # staged states are 96 MB a row (4 tokens x 12 layers x 2 MB), so only where a step ahead needs them
+        self._copies = 2 if ssm is not None and cfg.decode_ahead else 1
+        self._parity = 0
         self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None  # guided steps
         self._generation = self.inputs.generation
         # steps with padding rows, as static batches (graphs on CUDA), of those masked by grammars in the step
@@ -296,8 +299,7 @@ class Runner:
             raise ValueError("multi-step decodes need a static batch")
         if feed is not None:
             batch.input_ids[: feed.shape[0]].copy_(feed)
-        if self.ssm is not None:
-            self._parity ^= 1
+        self._parity = (self._parity + 1) % self._copies
         tokens, packed, staged = self._multi_step(batch, steps, self._parity)
         if stage:
             self.stage(rows, staged)
@@ -314,7 +316,7 @@ class Runner:
 
     def _multi_step(self, batch: ForwardBatch, steps: int, parity: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
-        key = ("multi", batch.num_seqs, steps, batch.max_context_len) + ((parity,) if self.ssm is not None else ())
+        key = ("multi", batch.num_seqs, steps, batch.max_context_len) + ((parity,) if self._copies > 1 else ())
         return self.graphs.run(key, lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm))
 
     def _check_generation(self) -> None:
@@ -357,7 +359,7 @@ class Runner:
         request pays for the capture; steps > 1: the multi-step decode graph (q = 1). False when there
         are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
-        key = ("multi", Bp, steps, width) + ((1,) if self.ssm is not None else ()) if steps > 1 else \
+        key = ("multi", Bp, steps, width) + ((self._copies - 1,) if self._copies > 1 else ()) if steps > 1 else \
             _step_key(Bp, q, width, rebuild, masked)
         if (not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q)
                 or (masked and self.static_masks is None)):
@@ -373,7 +375,7 @@ class Runner:
         views = self._views(lay, Bp, lay.Tp, lay.Tp, [-1] * Bp, [q] * Bp, [False] * Bp, width)
         mask = self.static_masks.buffers(Bp * q) if masked else None
         if steps > 1:
-            for parity in (0, 1) if self.ssm is not None else (0,):  # a hybrid's two copies (run_multi)
+            for parity in range(self._copies):  # a hybrid decoding ahead: two copies (run_multi)
                 self._multi_step(views, steps, parity)
         else:
             self._static_step(views, rebuild, mask)
