@@ -316,8 +316,12 @@ class Runner:
 
     def _multi_step(self, batch: ForwardBatch, steps: int, parity: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
-        key = ("multi", batch.num_seqs, steps, batch.max_context_len) + ((parity,) if self._copies > 1 else ())
+        key = self._multi_key(batch.num_seqs, steps, batch.max_context_len, parity)
         return self.graphs.run(key, lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm))
+
+    def _multi_key(self, rows: int, steps: int, width: int, parity: int) -> tuple:
+        """The graph key of a multi-step decode; a hybrid decoding ahead has a copy per parity (run_multi)."""
+        return ("multi", rows, steps, width) + ((parity,) if self._copies > 1 else ())
 
     def _check_generation(self) -> None:
         if self.inputs.generation != self._generation:  # the buffers were reallocated
@@ -359,8 +363,7 @@ class Runner:
         request pays for the capture; steps > 1: the multi-step decode graph (q = 1). False when there
         are no graphs or it is captured already."""
         Bp = bucket_size(num_rows)
-        key = ("multi", Bp, steps, width) + ((self._copies - 1,) if self._copies > 1 else ()) if steps > 1 else \
-            _step_key(Bp, q, width, rebuild, masked)
+        key = self._multi_key(Bp, steps, width, self._copies - 1) if steps > 1 else _step_key(Bp, q, width, rebuild, masked)
         if (not self.graphs.enabled or self.graphs.has(key) or not self.static_batch(Bp, q)
                 or (masked and self.static_masks is None)):
             return False
