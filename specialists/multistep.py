@@ -10,9 +10,10 @@ cache commits the kept tokens and rolls back the rest (spec/speculator.py commit
 
 Each step is the same forward, over the same static buffers' layout, as a plain one-token decode of
 that position, so the tokens are the ones S single steps would give. A hybrid's Mamba layers stage
-each step's state for the engine's commit instead of writing it; step j+1 reads step j's from that
-carry (batch.ssm_carry), and the S steps' states go to the commit stacked as a verify's q states, so
-the commit keeps the state after exactly the kept tokens.
+each step's state for the engine's commit instead of writing it, as token j of the runner's staged
+buffer (specialists/staged_states.py); step j+1 reads step j's from there (batch.ssm_carry), and the S
+steps' states go to the commit as a verify's q states, so the commit keeps the state after exactly the
+kept tokens.
 """
 
 from __future__ import annotations
@@ -39,26 +40,26 @@ def step_batch(batch: ForwardBatch, tokens: torch.Tensor, j: int, block_size: in
     return replace(batch, input_ids=tokens, positions=pos, slot_mapping=slots, context_lens=ctx)
 
 
-def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int,
-                 ssm: Any = None) -> tuple[torch.Tensor, torch.Tensor, Staged | None]:
+def multi_decode(model: Any, kv: Any, batch: ForwardBatch, steps: int, ssm: Any = None,
+                 staged: Staged | None = None) -> tuple[torch.Tensor, torch.Tensor, Staged | None]:
     """steps greedy decodes of a static one-token batch -> (tokens [Bp, steps], packed [Bp, 1 + 2 steps]
     in spec.acceptance.pack's layout: every token kept, tokens 1..steps-1 as the fed ones, and a hybrid's
-    Mamba states after each step, [Bp, steps, L, ...] as a static verify stages them; None without)."""
+    Mamba states after each step: `staged` ([Bp, steps, L, ...] views, specialists/staged_states.py, which
+    a hybrid needs), as a static verify stages them; None without)."""
     if batch.max_query_len != 1 or not batch.static:
         raise ValueError("multi_decode takes a static batch of one token per row")
+    if ssm is not None and staged is None:
+        raise ValueError("a hybrid's multi-step decode needs its staged buffer views")
     cur = batch.input_ids  # [Bp]
-    out, states = [], []  # states: a hybrid's Staged of each step
-    carry = None  # a hybrid's {layer: (conv, ssm)} after the step before
+    out = []
     for j in range(steps):
         b = step_batch(batch, cur, j, kv.block_size)
         b.__dict__.pop("_attn_meta", None)  # each step's lengths differ: its own attention metadata
-        b.staged, b.ssm_carry = [], carry
+        if staged is not None:  # step j writes token j; step j+1 starts from it
+            b.staged_out = Staged(staged.conv[:, j:j + 1], staged.ssm[:, j:j + 1])
+            b.ssm_carry = Staged(staged.conv[:, j - 1], staged.ssm[:, j - 1]) if j else None
         hidden = model.forward(b, kv, ssm)  # [Bp, d]
-        if b.staged:
-            carry = {layer: (c[:, -1], st[:, -1]) for layer, c, st in b.staged}
-            states.append(Staged.of(b.staged))
         cur = row_argmax(model.logits(hidden))  # [Bp], as the one-token decode graph computes it
         out.append(cur)
     tokens = torch.stack(out, dim=1)  # [Bp, steps]
-    staged = Staged(torch.cat([s.conv for s in states], dim=1), torch.cat([s.ssm for s in states], dim=1)) if states else None
     return tokens, pack_runs(tokens), staged  # staged: the steps side by side (q = steps), as a verify's

@@ -45,6 +45,7 @@ from specialists.options import EngineConfig
 from specialists.ops.rows_cuda import row_argmax
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
+from specialists.staged_states import StagedBuffers
 from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
                                  exact_rows, stage_rows)
 from state.kv_cache import KVCache, flat_slots
@@ -105,6 +106,8 @@ class Runner:
         # staged states are 96 MB a row (4 tokens x 12 layers x 2 MB), so only where a step ahead needs them
         self._copies = 2 if ssm is not None and cfg.decode_ahead else 1
         self._parity = 0
+        self.staged = StagedBuffers(ssm.conv, ssm.ssm, min(bucket_size(cfg.max_num_seqs), MAX_GRAPH_BATCH)) \
+            if ssm is not None and cfg.static_batches else None  # where a hybrid's static steps stage their states
         self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None  # guided steps
         self._generation = self.inputs.generation
         # steps with padding rows, as static batches (graphs on CUDA), of those masked by grammars in the step
@@ -317,7 +320,8 @@ class Runner:
     def _multi_step(self, batch: ForwardBatch, steps: int, parity: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
         key = self._multi_key(batch.num_seqs, steps, batch.max_context_len, parity)
-        return self.graphs.run(key, lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm))
+        staged = self.staged.views(("multi", parity), batch.num_seqs, steps) if self.staged is not None else None
+        return self.graphs.run(key, lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm, staged))
 
     def _multi_key(self, rows: int, steps: int, width: int, parity: int) -> tuple:
         """The graph key of a multi-step decode; a hybrid decoding ahead has a copy per parity (run_multi)."""
@@ -332,18 +336,17 @@ class Runner:
         """The graph of a static batch (captured on its shape's first call): forward, logits, argmax,
         the rows' greedy acceptance packed for the host and, given, the drafter's rebuild."""
         self._check_generation()
+        if self.staged is not None:
+            batch.staged_out = self.staged.views("step", batch.num_seqs, batch.max_query_len)
 
         def step() -> StaticOutputs:
             batch.__dict__.pop("_attn_meta", None)  # built inside the graph, from the static buffers
-            batch.staged = []
             hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
             logits = self.model.logits(hidden).float()
             if mask is not None:  # a guided step's grammar masks (static buffers)
                 mask.apply(logits)
             best = row_argmax(logits)
-            staged = None
-            if batch.staged:  # Mamba layers in order: [Bp, q, L, ...] per-token states of every layer
-                staged = Staged.of(batch.staged)
+            staged = batch.staged_out  # a hybrid's: [Bp, q, L, ...] per-token states of every Mamba layer
             fed = batch.input_ids.view(batch.num_seqs, -1)[:, 1:]  # [Bp, q-1] the drafts verified
             packed = pack(greedy_accept(best.view(batch.num_seqs, -1), fed), fed)
             draft_out = None if rebuild is None else rebuild(batch, hidden, best)

@@ -12,16 +12,10 @@ from specialists.models.batch import ForwardBatch
 
 
 class Staged(NamedTuple):
-    """A static step's per-token Mamba states, [Bp, q, L, ...] stacked over its Mamba layers."""
+    """A static step's per-token Mamba states, [Bp, q, L, ...] over its Mamba layers (specialists/staged_states.py)."""
 
     conv: torch.Tensor
     ssm: torch.Tensor
-
-    @classmethod
-    def of(cls, staged: list[tuple[int, torch.Tensor, torch.Tensor]]) -> "Staged":
-        """A forward's batch.staged (its Mamba layers in order: (layer, conv [Bp, q, ...], ssm [Bp, q, ...]))
-        stacked over the layers."""
-        return cls(torch.stack([c for _, c, _ in staged], dim=2), torch.stack([s for _, _, s in staged], dim=2))
 
 
 class StaticOutputs(NamedTuple):

@@ -68,3 +68,32 @@ def test_a_verify_runs_a_decodes_recurrence() -> None:
         assert torch.equal(states[:, t], s1[:, 0]) and torch.equal(convs[:, t], c1[:, 0])
         assert torch.equal(normed.view(B, q, -1)[:, t], n1)
         conv, state = c1[:, 0], s1[:, 0]
+
+
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+def test_states_read_through_slots_and_written_into_strided_views(backend: str) -> None:
+    """A static step's layout (specialists/staged_states.py): the input states are rows `slots` of a
+    cache layer's view (rows strided by the layers), and the states after each token go into views of
+    a [rows, tokens, layers, ...] buffer (rows and tokens strided), the padding tokens and rows of the
+    buffer untouched; the outputs and states equal a call on contiguous copies bit for bit."""
+    p = _params(13, 1, True, torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    B, q, L, layer = 2, 3, 3, 1
+    u = torch.randn(B, q, 24, generator=g).to(torch.bfloat16)
+    cache_conv = torch.randn(5, L, p.conv_dim, 3, generator=g).to(torch.bfloat16)  # [slots, L, ...]
+    cache_ssm = torch.randn(5, L, 4, 8, 16, generator=g) * 0.2
+    slots = torch.tensor([3, 0])
+    buf_conv = torch.full((4, 5, L, p.conv_dim, 3), -7.0).to(torch.bfloat16)  # [rows, tokens, L, ...]
+    buf_ssm = torch.full((4, 5, L, 4, 8, 16), -7.0)
+    out = (buf_conv[:B, :q, layer], buf_ssm[:B, :q, layer])
+    step = mamba2_step_fused if backend == "fused" else lambda *a, **k: mamba2_multi_step(*a, backend="torch", **k)
+    y, convs, states = step(p, u, cache_conv[:, layer], cache_ssm[:, layer], slots=slots, out=out)
+    ry, rconvs, rstates = step(p, u, cache_conv[slots, layer].contiguous(), cache_ssm[slots, layer].contiguous())
+    assert convs.data_ptr() == out[0].data_ptr() and states.data_ptr() == out[1].data_ptr()
+    assert torch.equal(y, ry) and torch.equal(convs, rconvs) and torch.equal(states, rstates)
+    written = torch.zeros(4, 5, L, dtype=torch.bool)
+    written[:B, :q, layer] = True
+    assert (buf_ssm[~written] == -7.0).all() and (buf_conv[~written] == -7.0).all()
+    with pytest.raises(ValueError, match="out"):  # a view whose tokens are not contiguous states
+        mamba2_step_fused(p, u, cache_conv[:, layer], cache_ssm[:, layer], slots=slots,
+                          out=(buf_conv[:B, :q, layer], torch.zeros(B, q, 4, 16, 8).transpose(-1, -2)))

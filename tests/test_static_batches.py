@@ -81,6 +81,29 @@ def test_static_steps_equal_eager_steps(domain: str, batch: int) -> None:
         assert got == ref, key  # exact: speculation, static batches (graphs) and both
 
 
+def test_a_hybrids_static_steps_share_one_staged_buffer_per_role() -> None:
+    """Every static step of a hybrid writes its Mamba states into views of one buffer per role
+    (specialists/staged_states.py), not into per-shape outputs: after batches of 1 and 3 (buckets 1 and
+    4) at K=3, then plain, the buffers hold max_num_seqs' bucket x (K+1) tokens for decodes and
+    verifies, and decode_steps tokens per copy of the multi-step decode (CUDA: two copies, decoding
+    ahead); every captured graph's staged outputs are views of them."""
+    eng = _engine("cpp", True, "on", k=3, seqs=4)
+    prompts = _prompts(eng, "cpp", 4)
+    _run(eng, prompts[:1], 1)
+    _run(eng, prompts, 3)
+    eng.set_policy(SpeculationPolicy(mode="off"))  # plain steps: multi-step decodes on CUDA, decoded ahead
+    _run(eng, prompts, 3)
+    runner = eng.runner
+    per_token = eng.ssm.conv[0].nbytes + eng.ssm.ssm[0].nbytes  # one row's states of every Mamba layer
+    multi = runner._copies * runner.decode_steps if runner.decode_steps > 1 else 0
+    assert runner.staged.nbytes == 4 * (4 + multi) * per_token, (runner.staged.nbytes, per_token)
+    bases = {b.ssm.untyped_storage().data_ptr() for b in runner.staged._buffers.values()}
+    outputs = [e.outputs for e in runner.graphs._graphs.values()]
+    staged = [o.staged if hasattr(o, "staged") else o[2] for o in outputs]
+    assert len(staged) == len(runner.graphs) and (len(staged) > 0) == CUDA
+    assert all(s.ssm.untyped_storage().data_ptr() in bases for s in staged)
+
+
 @pytest.mark.parametrize("domain", ["shell", "cpp"])  # Llama; Mamba2 hybrid
 def test_drafting_ahead_proposes_the_chains_drafts(domain: str) -> None:
     """The chain drafted on the device right after a greedy verify (spec/speculator.py) proposes exactly

@@ -11,8 +11,9 @@ paged KV) or a Mamba2 mixer whose states live in an SSMCache slot per sequence:
 * decode / verify sequences (q = 1 or K+1 tokens): one batched `mamba2_multi_step` (shorter
   sequences padded at the end: states are causal, the padding never reaches an accepted state),
   the per-token states staged with `ssm.stage`; the engine calls `ssm.commit(slots, num_accepted)`
-  after acceptance. In a static batch (CUDA graphs) even a plain decode's state is staged, by the
-  runner after the graph: the forward itself writes no state.
+  after acceptance. In a static batch (CUDA graphs) even a plain decode's state is staged: the forward
+  writes every token's states into the runner's staged buffer (specialists/staged_states.py), which
+  the runner stages after the graph; no slot is written.
 """
 
 from __future__ import annotations
@@ -78,18 +79,17 @@ class BambaModel(DecoderBase):
 
     def _mamba_static(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
         """A static batch (rows of q tokens each, CUDA graphs): states read through the device slot
-        tensor, nothing written; the per-token states go to batch.staged (the runner stacks them over
-        the layers, and the commit copies one token's states of every layer in one go). On a GPU
-        the q states cost little next to the commit's ops that building one from factors takes."""
+        tensor, nothing written; the per-token states go to the batch's staged buffer views
+        (batch.staged_out [Bp, q, L, ...], specialists/staged_states.py), where the commit takes one
+        token's states of every layer in one go."""
         B, q = batch.num_seqs, batch.max_query_len
-        carry = getattr(batch, "ssm_carry", None)  # a multi-step decode's state after its step before
-        if carry is not None:
-            conv, state = carry[layer]
+        out = batch.staged_out
+        carry = getattr(batch, "ssm_carry", None)  # a multi-step decode's states after its step before
+        if carry is not None:  # [Bp, L, ...] views of the step before's staged token
+            conv, state, slots = carry.conv[:, layer], carry.ssm[:, layer], None
         else:
-            conv = ssm.conv[:, layer].index_select(0, batch.ssm_slots)
-            state = ssm.ssm[:, layer].index_select(0, batch.ssm_slots)
-        y, convs, states = mamba2_multi_step(p, x.view(B, q, -1), conv, state)
-        batch.staged.append((layer, convs, states))
+            conv, state, slots = ssm.conv[:, layer], ssm.ssm[:, layer], batch.ssm_slots
+        y, _, _ = mamba2_multi_step(p, x.view(B, q, -1), conv, state, slots=slots, out=(out.conv[:, :, layer], out.ssm[:, :, layer]))
         return y.reshape(B * q, -1)
 
     def _mamba(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:

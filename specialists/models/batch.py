@@ -15,7 +15,7 @@ and slots of sequences already reserved in a KVCache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -60,8 +60,11 @@ class ForwardBatch:
     # a static batch (specialists/runner.py, CUDA graphs): every row decodes / verifies max_query_len
     # tokens, block_tables have the buffers' full width, max_context_len is the attention width (a
     # bucket >= every context; the lengths themselves are read on the device), and the Mamba layers
-    # stage their states in `staged` instead of writing or staging them through the cache
+    # write each token's states into `staged_out` instead of writing or staging them through the cache
     static: bool = False
+    # a hybrid's static batch: specialists.step_result.Staged views [Bp, q, L, ...] of the runner's
+    # staged buffer (specialists/staged_states.py) where its Mamba layers write the states after each token
+    staged_out: Any = None
     # every query row attends alone, as the decode of its position would (specialists/ops/attention.py):
     # a row's result is then the same bit for bit in any step, which int8 products with bf16
     # activations need for speculation to stay exact (specialists/quantize.py); CPU only

@@ -47,24 +47,24 @@ def _round(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _conv_tap(zx_ptr, conv_ptr, b, t: tl.constexpr, k: tl.constexpr, col, ch, mask, stride_zx, stride_cb,
+def _conv_tap(zx_ptr, conv_ptr, b, t: tl.constexpr, k: tl.constexpr, col, ch, mask, stride_zx,
               Q: tl.constexpr, K1: tl.constexpr):
     """Input k of token t's conv window for channels ch (xBC columns col of zxbcdt): the conv state's
     for the taps before the new tokens, else the new token's."""
     s: tl.constexpr = t + k - K1
     if s < 0:
-        return tl.load(conv_ptr + b * stride_cb + ch * K1 + (K1 + s), mask=mask, other=0.0).to(tl.float32)
+        return tl.load(conv_ptr + ch * K1 + (K1 + s), mask=mask, other=0.0).to(tl.float32)
     return tl.load(zx_ptr + (b * Q + s) * stride_zx + col, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t: tl.constexpr, col, ch, mask, stride_zx, stride_cb,
+def _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t: tl.constexpr, col, ch, mask, stride_zx,
               Q: tl.constexpr, KC: tl.constexpr, HAS_CB: tl.constexpr, ACT: tl.constexpr):
     """silu(conv) of token t for channels ch, rounded as torch's step in the activation dtype."""
     K1: tl.constexpr = KC - 1
     acc = tl.zeros(ch.shape, tl.float32)
     for k in tl.static_range(KC):
-        v = _conv_tap(zx_ptr, conv_ptr, b, t, k, col, ch, mask, stride_zx, stride_cb, Q, K1)
+        v = _conv_tap(zx_ptr, conv_ptr, b, t, k, col, ch, mask, stride_zx, Q, K1)
         w = tl.load(cw_ptr + ch * KC + k, mask=mask, other=0.0).to(tl.float32)
         acc += _round(v * w, ACT)
     acc = _round(acc, ACT)
@@ -74,23 +74,27 @@ def _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t: tl.constexpr, col, ch, mas
 
 
 @triton.jit
-def _write_conv_state(zx_ptr, conv_ptr, out_ptr, b, t: tl.constexpr, col, ch, mask, stride_zx, stride_cb,
-                      Q: tl.constexpr, CONV: tl.constexpr, K1: tl.constexpr):
-    """The conv state after token t (its last K1 inputs) for channels ch -> out [B, Q, CONV, K1]."""
+def _write_conv_state(zx_ptr, conv_ptr, out_ptr, b, t: tl.constexpr, col, ch, mask, stride_zx,
+                      Q: tl.constexpr, K1: tl.constexpr):
+    """The conv state after token t (its last K1 inputs) for channels ch -> out_ptr (token t's [CONV, K1])."""
     for j in tl.static_range(K1):
-        v = _conv_tap(zx_ptr, conv_ptr, b, t, j + 1, col, ch, mask, stride_zx, stride_cb, Q, K1)
-        tl.store(out_ptr + ((b * Q + t) * CONV + ch) * K1 + j, v.to(out_ptr.dtype.element_ty), mask=mask)
+        v = _conv_tap(zx_ptr, conv_ptr, b, t, j + 1, col, ch, mask, stride_zx, Q, K1)
+        tl.store(out_ptr + ch * K1 + j, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _step_kernel(zx_ptr, conv_ptr, state_ptr, cw_ptr, cb_ptr, dtb_ptr, alog_ptr, d_ptr,
-                 yg_ptr, conv_out_ptr, state_out_ptr, dt_lo, dt_hi, stride_zx, stride_cb,
-                 Q: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                 yg_ptr, conv_out_ptr, state_out_ptr, slot_ptr, dt_lo, dt_hi, stride_zx, stride_cb, stride_sb,
+                 co_b, co_t, so_b, so_t, Q: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                  DIN: tl.constexpr, KC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                 HAS_CB: tl.constexpr, ACT: tl.constexpr):
+                 HAS_CB: tl.constexpr, HAS_SLOTS: tl.constexpr, ACT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
+    r = b  # the row of the input states: the sequence's slot in the cache, or b
+    if HAS_SLOTS:
+        r = tl.load(slot_ptr + b)
+    conv_ptr += r * stride_cb  # the input conv state's row ([CONV, K1] contiguous)
     K1: tl.constexpr = KC - 1
     CONV: tl.constexpr = DIN + 2 * G * N
     g = h // (H // G)
@@ -102,15 +106,15 @@ def _step_kernel(zx_ptr, conv_ptr, state_ptr, cw_ptr, cb_ptr, dtb_ptr, alog_ptr,
     cB = DIN + g * N + n
     cC = DIN + G * N + g * N + n
     sm = pm[:, None] & nm[None, :]
-    state = tl.load(state_ptr + ((b * H + h) * P + p[:, None]) * N + n[None, :], mask=sm, other=0.0)
+    state = tl.load(state_ptr + r * stride_sb + (h * P + p[:, None]) * N + n[None, :], mask=sm, other=0.0).to(tl.float32)
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     Dh = tl.load(d_ptr + h).to(tl.float32)
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     owns_bc = (h % (H // G) == 0) & (pb == 0)  # one program writes a group's B / C conv states
     for t in tl.static_range(Q):
-        x = _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t, DIN + cx, cx, pm, stride_zx, stride_cb, Q, KC, HAS_CB, ACT)
-        Bv = _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t, DIN + cB, cB, nm, stride_zx, stride_cb, Q, KC, HAS_CB, ACT)
-        Cv = _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t, DIN + cC, cC, nm, stride_zx, stride_cb, Q, KC, HAS_CB, ACT)
+        x = _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t, DIN + cx, cx, pm, stride_zx, Q, KC, HAS_CB, ACT)
+        Bv = _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t, DIN + cB, cB, nm, stride_zx, Q, KC, HAS_CB, ACT)
+        Cv = _conv_out(zx_ptr, conv_ptr, cw_ptr, cb_ptr, b, t, DIN + cC, cC, nm, stride_zx, Q, KC, HAS_CB, ACT)
         row = zx_ptr + (b * Q + t) * stride_zx
         dt = _round(tl.load(row + DIN + CONV + h).to(tl.float32) + dtb, ACT)
         e = tl.exp(-tl.abs(dt))  # softplus (torch's threshold 20), log1p(e) without cancellation
@@ -121,11 +125,12 @@ def _step_kernel(zx_ptr, conv_ptr, state_ptr, cw_ptr, cb_ptr, dtb_ptr, alog_ptr,
         y = tl.sum(state * Cv[None, :], axis=1) + Dh * x
         z = tl.load(row + cx, mask=pm, other=0.0).to(tl.float32)
         tl.store(yg_ptr + (b * Q + t) * DIN + cx, y * (z * tl.sigmoid(z)), mask=pm)
-        tl.store(state_out_ptr + (((b * Q + t) * H + h) * P + p[:, None]) * N + n[None, :], state, mask=sm)
-        _write_conv_state(zx_ptr, conv_ptr, conv_out_ptr, b, t, DIN + cx, cx, pm, stride_zx, stride_cb, Q, CONV, K1)
+        tl.store(state_out_ptr + b * so_b + t * so_t + (h * P + p[:, None]) * N + n[None, :], state, mask=sm)
+        cout = conv_out_ptr + b * co_b + t * co_t
+        _write_conv_state(zx_ptr, conv_ptr, cout, b, t, DIN + cx, cx, pm, stride_zx, Q, K1)
         if owns_bc:
-            _write_conv_state(zx_ptr, conv_ptr, conv_out_ptr, b, t, DIN + cB, cB, nm, stride_zx, stride_cb, Q, CONV, K1)
-            _write_conv_state(zx_ptr, conv_ptr, conv_out_ptr, b, t, DIN + cC, cC, nm, stride_zx, stride_cb, Q, CONV, K1)
+            _write_conv_state(zx_ptr, conv_ptr, cout, b, t, DIN + cB, cB, nm, stride_zx, Q, K1)
+            _write_conv_state(zx_ptr, conv_ptr, cout, b, t, DIN + cC, cC, nm, stride_zx, Q, K1)
 
 
 @triton.jit
@@ -144,37 +149,65 @@ def _norm_kernel(yg_ptr, w_ptr, out_ptr, eps, DIN: tl.constexpr, GS: tl.constexp
 def mamba2_step_fused(
     p: Mamba2Params,
     u: torch.Tensor,  # [B, q, d] normed inputs
-    conv_state: torch.Tensor,  # [B, conv_dim, K-1]
-    ssm_state: torch.Tensor,  # [B, H, P, N] fp32
+    conv_state: torch.Tensor,  # [B, conv_dim, K-1], or [slots, ...] with `slots`
+    ssm_state: torch.Tensor,  # [B, H, P, N] fp32, or [slots, ...] with `slots`
+    slots: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mamba2_multi_step's contract: (y [B, q, d], conv_states [B, q, conv_dim, K-1], ssm_states
-    [B, q, H, P, N] fp32), the states after each token; the inputs are not modified."""
+    [B, q, H, P, N] fp32), the states after each token; the inputs are not modified. `slots` [B]
+    (int64, device): sequence b's input states are row slots[b] of conv_state / ssm_state (the cache's
+    layer views, read in place); `out`: the states are written into these [B, q, ...] views (rows and
+    tokens strided, each token's state contiguous) and returned."""
     if u.dtype not in _ACT:
         raise ValueError(f"unsupported activation dtype {u.dtype}")
     B, q, d = u.shape
     zx = exact_linear(u.reshape(B * q, d), p.in_proj_weight, p.in_proj_bias)  # [B q, d_inner + conv_dim + H]
-    normed, convs, states = mixer_step(p, zx, B, q, conv_state, ssm_state)
+    normed, convs, states = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out)
     return exact_linear(normed, p.out_proj_weight, p.out_proj_bias).view(B, q, -1), convs, states
 
 
-def mixer_step(p: Mamba2Params, zx: torch.Tensor, B: int, q: int, conv_state: torch.Tensor,
-               ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, ...] with each row contiguous (rows may be strided: a cache's layer, a staged token)."""
+    return x if x[0].is_contiguous() else x.contiguous()
+
+
+def _out_views(out: tuple[torch.Tensor, torch.Tensor] | None, B: int, q: int, conv_shape: tuple, ssm_shape: tuple,
+               conv_dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if out is None:
+        return (torch.empty(B, q, *conv_shape, dtype=conv_dtype, device=device),
+                torch.empty(B, q, *ssm_shape, dtype=torch.float32, device=device))
+    convs, states = out
+    if tuple(convs.shape) != (B, q, *conv_shape) or tuple(states.shape) != (B, q, *ssm_shape) or \
+            states.dtype != torch.float32 or convs.dtype != conv_dtype:
+        raise ValueError(f"out {tuple(convs.shape)} {convs.dtype} / {tuple(states.shape)} {states.dtype} != "
+                         f"[{B}, {q}, {conv_shape}] {conv_dtype} / [{B}, {q}, {ssm_shape}] float32")
+    if not (convs[0, 0].is_contiguous() and states[0, 0].is_contiguous()):
+        raise ValueError("out: each token's conv and SSM state must be contiguous")
+    return convs, states
+
+
+def mixer_step(p: Mamba2Params, zx: torch.Tensor, B: int, q: int, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+               slots: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Between the products: zxbcdt [B q, ...] (row b*q + t: sequence b's token t) -> the normed, gated
-    output [B q, d_inner] in zx's dtype (out_proj's input), and the conv and SSM states after each token."""
+    output [B q, d_inner] in zx's dtype (out_proj's input), and the conv and SSM states after each token
+    (`slots`, `out`: mamba2_step_fused)."""
     H, P, N, G, KC = p.num_heads, p.head_dim, p.d_state, p.n_groups, p.d_conv
     DIN = p.d_inner
-    conv_state = conv_state.contiguous()
-    ssm_state = ssm_state.float().contiguous()
+    conv_state = _rows(conv_state)
+    ssm_state = _rows(ssm_state.float())
     yg = torch.empty(B * q, DIN, dtype=torch.float32, device=zx.device)
-    convs = torch.empty(B, q, p.conv_dim, KC - 1, dtype=conv_state.dtype, device=zx.device)
-    states = torch.empty(B, q, H, P, N, dtype=torch.float32, device=zx.device)
+    convs, states = _out_views(out, B, q, (p.conv_dim, KC - 1), (H, P, N), conv_state.dtype, zx.device)
     BP = min(16, triton.next_power_of_2(P))
     lo, hi = p.time_step_limit
     cb = p.conv_bias if p.conv_bias is not None else p.conv_weight
     _step_kernel[(B, H, triton.cdiv(P, BP))](
-        zx, conv_state, ssm_state, p.conv_weight, cb, p.dt_bias, p.A_log, p.D, yg, convs, states, float(lo), float(hi),
-        zx.stride(0), conv_state.stride(0), Q=q, H=H, P=P, N=N, G=G, DIN=DIN, KC=KC, BP=BP,
-        BN=triton.next_power_of_2(N), HAS_CB=p.conv_bias is not None, ACT=_ACT[zx.dtype], num_warps=4)
+        zx, conv_state, ssm_state, p.conv_weight, cb, p.dt_bias, p.A_log, p.D, yg, convs, states,
+        slots if slots is not None else zx, float(lo), float(hi), zx.stride(0), conv_state.stride(0), ssm_state.stride(0),
+        convs.stride(0), convs.stride(1), states.stride(0), states.stride(1), Q=q, H=H, P=P, N=N, G=G, DIN=DIN, KC=KC,
+        BP=BP, BN=triton.next_power_of_2(N), HAS_CB=p.conv_bias is not None, HAS_SLOTS=slots is not None,
+        ACT=_ACT[zx.dtype], num_warps=4)
     normed = torch.empty(B * q, DIN, dtype=zx.dtype, device=zx.device)
     GS = DIN // G
     _norm_kernel[(B * q, G)](yg, p.norm_weight, normed, float(p.norm_eps), DIN=DIN, GS=GS,

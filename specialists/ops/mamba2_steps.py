@@ -61,6 +61,8 @@ def mamba2_multi_step(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     backend: str = "auto",
+    slots: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q new tokens for each of B sequences. backend "auto": on CUDA the fused step (mamba2_fused.py:
     two Triton kernels, each token a decode's recurrence; CANTATA_FUSED_MAMBA=0: off), else a plain
@@ -70,7 +72,9 @@ def mamba2_multi_step(
     u [B, q, d], conv_state [B, conv_dim, K-1], ssm_state [B, H, P, N] fp32 ->
     (y [B, q, d], conv_states [B, q, conv_dim, K-1], ssm_states [B, q, H, P, N] fp32), where
     conv_states[:, t] / ssm_states[:, t] are the states after token t (0-based). The inputs are
-    not modified.
+    not modified. `slots` [B] (device): the input states are rows slots[b] of conv_state / ssm_state (a
+    cache's layer views); `out` (conv [B, q, ...], ssm [B, q, ...] views): the states are written there
+    and returned (a static batch's staged states, specialists/staged_states.py).
 
     Closed form over q: with a_t = dt_t A_h and S = segsum(a) ([q, q] per head),
         state_t = exp(a_0 + ... + a_t) state_in + sum_{s<=t} exp(S[t, s]) dt_s x_s (outer) B_s
@@ -79,7 +83,20 @@ def mamba2_multi_step(
     if backend == "auto" and u.dim() == 3 and fused_mamba(u.device):
         from specialists.ops.mamba2_fused import mamba2_step_fused  # two Triton kernels, a recurrence per token
 
-        return mamba2_step_fused(p, u, conv_state, ssm_state)
+        return mamba2_step_fused(p, u, conv_state, ssm_state, slots, out)
+    if slots is not None:
+        conv_state, ssm_state = conv_state.index_select(0, slots), ssm_state.index_select(0, slots)
+    y, convs, states = _multi_step(p, u, conv_state, ssm_state, backend)
+    if out is None:
+        return y, convs, states
+    out[0].copy_(convs)
+    out[1].copy_(states)
+    return y, out[0], out[1]
+
+
+def _multi_step(p: Mamba2Params, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mamba2_multi_step without the fused kernels (torch, or mamba-ssm's decode kernel)."""
     st = _step_inputs(p, u, conv_state)
     Bsz, q = u.shape[:2]
     ssu = _use_triton(u.device) if q == 1 and backend == "auto" else None
