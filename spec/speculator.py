@@ -326,7 +326,9 @@ class Speculator:
         post = self.drafter.rebuild if rebuild and self.drafter is not None else None
         n = 0
         masked = getattr(self.runner, "static_masks", None) is not None  # guided steps: their own graphs
-        for b, w in tqdm(self.runner.graph_shapes(max_rows), desc="CUDA graphs", unit="shape", disable=not progress):
+        shapes = self.runner.graph_shapes(max_rows)
+        self.runner.reserve_staged(shapes, k)
+        for b, w in tqdm(shapes, desc="CUDA graphs", unit="shape", disable=not progress):
             kb = min(k, self.runner.max_drafts(b))  # the K a step of this bucket verifies (Engine.step)
             n += self.runner.capture(b, 1, w, post)
             if masked:

@@ -156,8 +156,8 @@ class Engine:
 
     def capture_graphs(self, max_rows: int | None = None, progress: bool = False) -> int:
         """CUDA graphs of the policy's steps (every batch bucket up to max_rows, default max_num_seqs, every context width),
-        the speculative ones under mode off too (a switch is live; a graph captured in use cost a step 3-13 ms), largest K
-        first (a hybrid's staged buffer: specialists/staged_states.py); others on first use. -> how many (0 on CPU)."""
+        the speculative ones under mode off too (a switch is live; a graph captured in use cost a step 3-13 ms), the
+        largest K first (a hybrid's staged buffers: Runner.reserve_staged); others on first use. -> how many (0 on CPU)."""
         policy, spec = self.gate.policy, self.drafter is not None
         ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())}, reverse=True) if spec else [0]
         return sum(self.speculator.capture_graphs(k, spec, max_rows or self.cfg.max_num_seqs, progress) for k in ks)  # every K auto may pick
@@ -170,7 +170,7 @@ class Engine:
         return {"steps": self.steps, "preemptions": self.scheduler.num_preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "decode_ahead": self.speculator.decoding.stats(),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                **(self.snapshots.stats() if self.snapshots is not None else {})}
+                **self.runner.graph_stats(), **(self.snapshots.stats() if self.snapshots is not None else {})}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else prompt_ids(prompt, self.speculator.vocab_size)

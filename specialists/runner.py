@@ -22,11 +22,10 @@ tokens is a *static* batch: padded to its bucket, its block tables at the buffer
 its attention over a context width W from a few buckets (256, 512, 1024, ... up to the longest
 sequence) with the lengths read on the device, so that the forward (plus the argmax and, for a
 speculating greedy step, the drafter's rebuild) is one graph per (bucket, tokens per row, W) that is
-captured once and replayed. A static batch stages the Mamba states even of a plain decode (its
-forward writes no state; the engine's commit does), which is what lets a graph run twice to the
-same effect. The graph also does the greedy acceptance (spec/acceptance.py) of its rows and packs
-the step's host copy. Prefills and mixed steps run eagerly. On by default on CUDA; `static_batches`
-(specialists/options.py) runs the same static forward eagerly (the CPU tests of this path).
+captured once and replayed. A static batch stages even a plain decode's Mamba states (staged_states.py;
+the commit writes the slots), which lets a graph run twice to the same effect. The graph also does its
+rows' greedy acceptance (spec/acceptance.py) and packs the step's host copy. Prefills and mixed steps run
+eagerly. On by default on CUDA; `static_batches` (options.py) runs the static forward eagerly (CPU tests).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
 from specialists.staged_states import StagedBuffers
 from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
-                                 exact_rows, stage_rows)
+                                 exact_rows, place_drafts, stage_rows)
 from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
 from state.transfer import device_ints
@@ -106,8 +105,7 @@ class Runner:
         # staged states are 96 MB a row (4 tokens x 12 layers x 2 MB), so only where a step ahead needs them
         self._copies = 2 if ssm is not None and cfg.decode_ahead else 1
         self._parity = 0
-        self.staged = StagedBuffers(ssm.conv, ssm.ssm, min(bucket_size(cfg.max_num_seqs), MAX_GRAPH_BATCH)) \
-            if ssm is not None and cfg.static_batches else None  # where a hybrid's static steps stage their states
+        self.staged = StagedBuffers(ssm.conv, ssm.ssm) if ssm is not None and cfg.static_batches else None  # a hybrid's staged states
         self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None  # guided steps
         self._generation = self.inputs.generation
         # steps with padding rows, as static batches (graphs on CUDA), of those masked by grammars in the step
@@ -242,38 +240,19 @@ class Runner:
             t += q
             qsl[b + 1] = t
 
-    @staticmethod
-    def _place_drafts(batch: ForwardBatch, rows: list[BatchRow], drafts: torch.Tensor) -> None:
-        """Puts drafts [n, kmax] (row b's first rows[b].k; a static batch: n = its padded rows) in
-        their places after each row's host tokens, on the device."""
-        n, kmax = drafts.shape
-        if n >= len(rows) and all(not r.prefill and len(r.tokens) == 1 and r.k == kmax for r in rows):
-            batch.input_ids[: n * (kmax + 1)].view(n, kmax + 1)[:, 1:].copy_(drafts)  # rows of one shape
-            return
-        idx: list[int] = []
-        src: list[int] = []
-        t = 0
-        for b, r in enumerate(rows):
-            idx.extend(range(t + len(r.tokens), t + r.q))
-            src.extend(range(b * kmax, b * kmax + r.k))
-            t += r.q
-        if idx:
-            dev = drafts.device
-            batch.input_ids.index_copy_(0, device_ints(idx, dev), drafts.reshape(-1)[device_ints(src, dev)])
-
     # ---- forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, rows: list[BatchRow], drafts: torch.Tensor | None = None, rebuild: Rebuild | None = None,
             static: bool = True, masks: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> StepResult:
-        """One target forward. drafts [n, kmax] (device): see _place_drafts. `rebuild` (a static batch
+        """One target forward. drafts [n, kmax] (device): see staging.place_drafts. `rebuild` (a static batch
         only): the drafter's rebuild, run after the forward (in its graph) with each token's argmax as
         the next token. static False: eager (its logits are masked before acceptance). `masks` (a
         static batch, with static_masks): grammar mask words per real logits row and the closing bonus,
         applied in the graph before the argmax (StepResult.static.masked)."""
         batch, real = self.build(rows, static=static)
         if drafts is not None:
-            self._place_drafts(batch, rows, drafts)
+            place_drafts(batch, rows, drafts)
         if not batch.static:
             hidden = self.model.forward(batch, self.kv, self.ssm)[: real.num_tokens]  # [T, d]
             return StepResult(self.model.logits(hidden[real.logits_indices]).float(), hidden, real)
@@ -391,6 +370,17 @@ class Runner:
     def static_outputs(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None) -> StaticOutputs | None:
         """The outputs of the captured step graph of that shape (None if not captured)."""
         return self.graphs.outputs(_step_key(bucket_size(num_rows), q, width, rebuild))
+
+    def reserve_staged(self, shapes: list[tuple[int, int]], k: int) -> None:
+        """Before a warm-up captures `shapes` (graph_shapes) at K = k: a hybrid's staged buffers at the
+        largest step of each role (specialists/staged_states.py)."""
+        if self.staged is not None:
+            self.staged.reserve("step", max(b * (1 + min(k, self.max_drafts(b))) for b, _ in shapes))
+            for parity in range(self._copies if self.decode_steps > 1 else 0):
+                self.staged.reserve(("multi", parity), max(b for b, _ in shapes) * self.decode_steps)
+
+    def graph_stats(self) -> dict:  # Engine.stats: the target's CUDA graphs, a hybrid's staged state buffers
+        return {"graphs": len(self.graphs), "staged_state_mb": round(self.staged.nbytes / 2**20, 1) if self.staged else 0.0}
 
     def static_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device buffers a static batch of num_rows (padded) rows reads: its context lengths [Bp]

@@ -9,10 +9,11 @@ pool), every (batch bucket, context width, q) would keep its own: bamba-1b at ma
 63 GB after warm-up that way (H100, session 23: 23 GB of graph outputs, the rest the stacking's
 intermediates), where its weights take 3.
 
-So the runner owns one buffer per role, [rows, tokens, L, ...] (L: the Mamba layers, in their cache
-order), and every graph of that role writes a view of it: its first Bp rows and q tokens. Each layer's
+So the runner owns one buffer per role, [tokens, L, ...] (L: the Mamba layers, in their cache order),
+and every graph of that role writes a view of its first Bp x q tokens as [Bp, q, L, ...]. Each layer's
 kernel writes its states there directly (specialists/ops/mamba2_fused.py `out`), so no stack over the
-layers nor concatenation over a multi-step decode's steps is made. Roles:
+layers nor concatenation over a multi-step decode's steps is made. A buffer holds the most tokens one
+step of its role stages (batch 8 at K = 3: 32; batch 64 decodes one token a row: 64). Roles:
 
   "step"              the one-token decode and the verify (guided or not): one such step is staged
                       at a time, and its commit is enqueued before the next step's launch
@@ -22,9 +23,9 @@ layers nor concatenation over a multi-step decode's steps is made. Roles:
 
 Graphs of one role never hold states that are still to be read while another of that role runs: the
 engine reads a step's staged states at its commit, in stream order before the next launch of the
-role. A buffer grows when a step needs more rows or tokens than it has: the graphs captured over the
-old one keep it alive (their outputs view it) and stay correct; warm-up captures the largest q first
-(Engine.capture_graphs) so that it does not grow in use.
+role. A buffer grows when a step needs more tokens than it has: the graphs captured over the old one
+keep it alive (their outputs view it) and stay correct; warm-up reserves each role's largest step
+before it captures (Runner.reserve_staged), so that no buffer grows in use.
 """
 
 from __future__ import annotations
@@ -39,24 +40,29 @@ __all__ = ["StagedBuffers"]
 
 
 class StagedBuffers:
-    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, rows: int) -> None:
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """conv [slots, L, conv_dim, K-1], ssm [slots, L, H, P, N]: the SSM cache's tensors (the per-slot
-        shapes and dtypes the buffers take); rows: the most rows a static batch has (its largest bucket)."""
+        shapes and dtypes the buffers take)."""
         self._conv_shape, self._conv_dtype = tuple(conv.shape[1:]), conv.dtype
         self._ssm_shape, self._ssm_dtype = tuple(ssm.shape[1:]), ssm.dtype
-        self.device, self.rows = conv.device, rows
+        self.device = conv.device
         self._buffers: dict[Hashable, Staged] = {}
 
     def views(self, role: Hashable, rows: int, tokens: int) -> Staged:
-        """[rows, tokens, L, ...] views of the role's buffer (grown first if it is smaller)."""
+        """[rows, tokens, L, ...] views of the first rows x tokens of the role's buffer (grown first if it
+        is smaller)."""
+        n = rows * tokens
         buf = self._buffers.get(role)
-        if buf is None or buf.ssm.shape[0] < rows or buf.ssm.shape[1] < tokens:
-            have = (0, 0) if buf is None else tuple(buf.ssm.shape[:2])
-            shape = (max(rows, self.rows, have[0]), max(tokens, have[1]))
+        if buf is None or buf.ssm.shape[0] < n:
             buf = self._buffers[role] = Staged(
-                torch.empty(*shape, *self._conv_shape, dtype=self._conv_dtype, device=self.device),
-                torch.empty(*shape, *self._ssm_shape, dtype=self._ssm_dtype, device=self.device))
-        return Staged(buf.conv[:rows, :tokens], buf.ssm[:rows, :tokens])
+                torch.empty(n, *self._conv_shape, dtype=self._conv_dtype, device=self.device),
+                torch.empty(n, *self._ssm_shape, dtype=self._ssm_dtype, device=self.device))
+        return Staged(buf.conv[:n].view(rows, tokens, *self._conv_shape), buf.ssm[:n].view(rows, tokens, *self._ssm_shape))
+
+    def reserve(self, role: Hashable, tokens: int) -> None:
+        """The role's buffer at `tokens` at least, before a warm-up's captures: no graph then keeps a
+        smaller one alive."""
+        self.views(role, tokens, 1)
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,7 @@
 """The runner's static input buffers (specialists/runner.py): every index tensor of a batch is a view
 into one int64 buffer allocated once and grown only when a step needs more room; the host fills a
 staging copy and the device gets it in one copy (on CPU the staging buffer is the device buffer);
-`stage_rows` writes a step's rows into the staging copy."""
+`stage_rows` writes a step's rows into the staging copy, `place_drafts` a verify's drafts on the device."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from specialists.ops.attention import HALF
+from state.transfer import device_ints
 
 
 class StaticInputs:
@@ -123,6 +124,25 @@ def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[li
     keep = np.flatnonzero(~np.repeat(prefill, q) | (tq[:T] == np.repeat(q - 1, q)))
     lidx[:keep.size] = keep
     return int(keep.size)
+
+
+def place_drafts(batch, rows: list, drafts: torch.Tensor) -> None:
+    """Puts drafts [n, kmax] (row b's first rows[b].k; a static batch: n = its padded rows) in their
+    places after each row's host tokens (rows: the runner's BatchRows), in batch.input_ids on the device."""
+    n, kmax = drafts.shape
+    if n >= len(rows) and all(not r.prefill and len(r.tokens) == 1 and r.k == kmax for r in rows):
+        batch.input_ids[: n * (kmax + 1)].view(n, kmax + 1)[:, 1:].copy_(drafts)  # rows of one shape
+        return
+    idx: list[int] = []
+    src: list[int] = []
+    t = 0
+    for b, r in enumerate(rows):
+        idx.extend(range(t + len(r.tokens), t + r.q))
+        src.extend(range(b * kmax, b * kmax + r.k))
+        t += r.q
+    if idx:
+        dev = drafts.device
+        batch.input_ids.index_copy_(0, device_ints(idx, dev), drafts.reshape(-1)[device_ints(src, dev)])
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -83,11 +83,12 @@ def test_static_steps_equal_eager_steps(domain: str, batch: int) -> None:
 
 def test_a_hybrids_static_steps_share_one_staged_buffer_per_role() -> None:
     """Every static step of a hybrid writes its Mamba states into views of one buffer per role
-    (specialists/staged_states.py), not into per-shape outputs: after batches of 1 and 3 (buckets 1 and
-    4) at K=3, then plain, the buffers hold max_num_seqs' bucket x (K+1) tokens for decodes and
-    verifies, and decode_steps tokens per copy of the multi-step decode (CUDA: two copies, decoding
-    ahead); every captured graph's staged outputs are views of them."""
+    (specialists/staged_states.py), not into per-shape outputs: after the warm-up's captures and
+    batches of 1 and 3 (buckets 1 and 4) at K=3, then plain, the buffers hold the largest step's
+    tokens, max_num_seqs' bucket x (K+1) for decodes and verifies and x decode_steps for each copy of
+    the multi-step decode (CUDA: two copies, decoding ahead); every graph's staged outputs view them."""
     eng = _engine("cpp", True, "on", k=3, seqs=4)
+    eng.capture_graphs()  # as a served engine's warm-up does (none on a CPU)
     prompts = _prompts(eng, "cpp", 4)
     _run(eng, prompts[:1], 1)
     _run(eng, prompts, 3)
