@@ -333,8 +333,8 @@ class Speculator:
             n += self.runner.capture(b, 1, w, post)
             if masked:
                 n += self.runner.capture(b, 1, w, post, masked=True) + (self.runner.capture(b, 1 + kb, w, post, masked=True) if kb else 0)
-            if self.runner.decode_steps > 1:  # specialists/multistep.py: plain steps, and auto's fallback steps
-                n += self.runner.capture(b, 1, w, steps=self.runner.decode_steps)
+            if self.runner.multi_steps(b) > 1:  # specialists/multistep.py: plain steps, and auto's fallback steps
+                n += self.runner.capture(b, 1, w, steps=self.runner.multi_steps(b))
             if kb:
                 n += self.runner.capture(b, 1 + kb, w, post)
                 n += self.drafter.capture_chain(b, kb, w)

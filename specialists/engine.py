@@ -224,7 +224,7 @@ class Engine:
         decided = f"fallback:{self.gate.reason}" if status == "fallback" else status
         policy = self.gate.policy
         rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"  # owed entries: caught up
-        multi = self.runner.decode_steps if not rebuild and self.runner.static else 1
+        multi = self.runner.multi_steps(batch) if not rebuild and self.runner.static else 1
         k = min(self.gate.k_for(batch, guided), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
         self._plan_drafts(k, multi)
         ahead = self.speculator.decoding.settle(sched.running)  # a step decoded ahead runs these rows: no admission

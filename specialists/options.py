@@ -46,6 +46,9 @@ class EngineOptions:
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
     decode_ahead: bool | None = None  # launch the next plain multi-step decode before reading this one (None: with CUDA graphs)
+    # hybrids: MiB each role of the static steps' per-token Mamba states may take (specialists/staged_states.py);
+    # K and decode_steps shrink at batch sizes whose steps would stage more (None: on CUDA 5% of the device's memory)
+    staged_state_mib: float | None = None
     # what constrained decoding adds where a schema leaves strings, arrays or numbers unbounded
     # (specialists/grammar.Bounds' fields: max_string, max_items, number_range); None: the checkpoint's
     # cantata.json "serving": {"grammar_bounds": ...} if any, else none (integers stay in JSON's safe range)
@@ -82,6 +85,8 @@ class EngineOptions:
         num_blocks = self.num_blocks or self.max_num_seqs * -(-limit // self.block_size)
         if self.quantization not in (None, "auto", "none", "int8", "q4"):
             raise OptionsError(f"quantization must be 'auto', 'none', 'int8' or 'q4', got {self.quantization!r}")
+        if self.staged_state_mib is not None and self.staged_state_mib <= 0:
+            raise OptionsError(f"staged_state_mib must be > 0, got {self.staged_state_mib}")
         if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
             raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
         return EngineConfig(
@@ -93,7 +98,7 @@ class EngineOptions:
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
             decode_ahead=static and (graphs if self.decode_ahead is None else self.decode_ahead),
-            quantization=self.quantization or "auto",
+            quantization=self.quantization or "auto", staged_state_mib=self.staged_state_mib,
         )
 
 
@@ -119,6 +124,7 @@ class EngineConfig:
     decode_steps: int
     decode_ahead: bool  # spec/decode_ahead.py: static multi-step decodes (hybrids too)
     quantization: str = "auto"  # the engine resolves "auto" against its model (quantize.resolve)
+    staged_state_mib: float | None = None  # None: on CUDA a share of the device's memory, else no bound (staged_states.py)
 
 
 def _decode_steps(asked: int | None, graphs: bool, block_size: int) -> int:

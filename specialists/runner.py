@@ -44,7 +44,7 @@ from specialists.options import EngineConfig
 from specialists.ops.rows_cuda import row_argmax
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
-from specialists.staged_states import StagedBuffers
+from specialists.staged_states import StagedBuffers, budget_mib
 from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
                                  exact_rows, place_drafts, stage_rows)
 from state.kv_cache import KVCache, flat_slots
@@ -105,7 +105,10 @@ class Runner:
         # staged states are 96 MB a row (4 tokens x 12 layers x 2 MB), so only where a step ahead needs them
         self._copies = 2 if ssm is not None and cfg.decode_ahead else 1
         self._parity = 0
-        self.staged = StagedBuffers(ssm.conv, ssm.ssm) if ssm is not None and cfg.static_batches else None  # a hybrid's staged states
+        budget = budget_mib(cfg.staged_state_mib, torch.device(self.device))
+        self.staged = StagedBuffers(ssm.conv, ssm.ssm, budget, min(bucket_size(cfg.max_num_seqs), MAX_GRAPH_BATCH)) \
+            if ssm is not None and cfg.static_batches else None  # a hybrid's staged states (and their budget)
+        self._staged_tokens = self.staged.max_tokens if self.staged is not None else 1 << 30  # the most a step stages
         self.static_masks = StaticMasks(model.lm_head.shape[0], self.device) if cfg.fused_drafter and cfg.static_batches else None  # guided steps
         self._generation = self.inputs.generation
         # steps with padding rows, as static batches (graphs on CUDA), of those masked by grammars in the step
@@ -137,8 +140,15 @@ class Runner:
         """(padded rows, attention width) of a static batch of num_rows rows, the longest context max_context."""
         return bucket_size(num_rows), context_width(max_context, self.max_context_width)
 
-    def max_drafts(self, num_rows: int) -> int:  # the most drafts a row may verify, output exact (staging.exact_rows)
-        return max(0, self.exact_rows // bucket_size(num_rows) - 1)
+    def max_drafts(self, num_rows: int) -> int:
+        """The most drafts a row may verify: output exact (staging.exact_rows), a hybrid's staged states
+        within their budget (staged_states.py)."""
+        return max(0, min(self.exact_rows, self._staged_tokens) // bucket_size(num_rows) - 1)
+
+    def multi_steps(self, num_rows: int) -> int:
+        """Greedy decodes per static plain step at this batch size: decode_steps, fewer where a hybrid's
+        staged states would pass their budget."""
+        return max(1, min(self.decode_steps, self._staged_tokens // bucket_size(num_rows)))
 
     def static_batch(self, num_rows: int, q: int) -> bool:
         """Whether a batch of num_rows decode / verify rows of q tokens each runs static (a graph)."""
@@ -377,7 +387,7 @@ class Runner:
         if self.staged is not None:
             self.staged.reserve("step", max(b * (1 + min(k, self.max_drafts(b))) for b, _ in shapes))
             for parity in range(self._copies if self.decode_steps > 1 else 0):
-                self.staged.reserve(("multi", parity), max(b for b, _ in shapes) * self.decode_steps)
+                self.staged.reserve(("multi", parity), max(b * self.multi_steps(b) for b, _ in shapes))
 
     def graph_stats(self) -> dict:  # Engine.stats: the target's CUDA graphs, a hybrid's staged state buffers
         return {"graphs": len(self.graphs), "staged_state_mb": round(self.staged.nbytes / 2**20, 1) if self.staged else 0.0}

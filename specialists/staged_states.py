@@ -21,6 +21,12 @@ step of its role stages (batch 8 at K = 3: 32; batch 64 decodes one token a row:
                       alternates two parities, so a step's states survive the step launched ahead of
                       its commit (spec/decode_ahead.py)
 
+At a real hybrid's size those steps are what bounds the batch: a token's states are 128 MB at 32
+Mamba layers of 128 heads, so a 64-row step of 4 tokens would stage 32 GB. Each role's buffer is held
+to a budget (the engine option staged_state_mib; on a GPU by default 5% of its memory): a batch size
+whose verify or multi-step decode would stage more than max_tokens verifies fewer drafts and decodes
+fewer tokens a step (Runner.max_drafts, Runner.multi_steps), down to one token a row.
+
 Graphs of one role never hold states that are still to be read while another of that role runs: the
 engine reads a step's staged states at its commit, in stream order before the next launch of the
 role. A buffer grows when a step needs more tokens than it has: the graphs captured over the old one
@@ -36,16 +42,30 @@ import torch
 
 from specialists.step_result import Staged
 
-__all__ = ["StagedBuffers"]
+__all__ = ["StagedBuffers", "budget_mib"]
+
+SHARE = 0.05  # of a GPU's memory, per role (bamba-1b on an H100: 163 tokens)
+
+
+def budget_mib(asked: float | None, device: torch.device) -> float | None:
+    """What one role's buffer may take: the engine option staged_state_mib, else on CUDA SHARE of the
+    device's memory, else no bound (a CPU's static batches)."""
+    if asked is not None or device.type != "cuda":
+        return asked
+    return SHARE * torch.cuda.get_device_properties(device).total_memory / 2**20
 
 
 class StagedBuffers:
-    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, budget_mib: float | None = None, rows: int = 1) -> None:
         """conv [slots, L, conv_dim, K-1], ssm [slots, L, H, P, N]: the SSM cache's tensors (the per-slot
-        shapes and dtypes the buffers take)."""
+        shapes and dtypes the buffers take). budget_mib: what one role's buffer may take (None: no
+        bound), never fewer tokens than `rows` (the largest static batch's one-token decode)."""
         self._conv_shape, self._conv_dtype = tuple(conv.shape[1:]), conv.dtype
         self._ssm_shape, self._ssm_dtype = tuple(ssm.shape[1:]), ssm.dtype
         self.device = conv.device
+        self.token_bytes = conv[0].nbytes + ssm[0].nbytes  # one token's states over every layer
+        # the most tokens one step of a role stages (the runner's K and decode_steps per batch size keep to it)
+        self.max_tokens = 1 << 30 if budget_mib is None else max(rows, int(budget_mib * 2**20) // self.token_bytes)
         self._buffers: dict[Hashable, Staged] = {}
 
     def views(self, role: Hashable, rows: int, tokens: int) -> Staged:

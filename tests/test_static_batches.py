@@ -19,6 +19,7 @@ import torch
 
 from policies.policy import SpeculationPolicy
 from specialists.engine import Engine
+from specialists.options import OptionsError
 from specialists.runner import MIN_CONTEXT_WIDTH, context_width
 from specialists.sampling import SamplingParams
 
@@ -27,10 +28,10 @@ DEV = os.environ.get("CANTATA_TEST_DEVICE", "cpu")
 CUDA = DEV.startswith("cuda")
 
 
-def _engine(domain: str, static: bool, mode: str = "on", k: int = 3, seqs: int = 4) -> Engine:
+def _engine(domain: str, static: bool, mode: str = "on", k: int = 3, seqs: int = 4, **options) -> Engine:
     flags = {"cuda_graphs": static} if CUDA else {"static_batches": static, "pad_batches": static}
     return Engine.from_pretrained(ROOT / "deploy" / "models" / domain, device=DEV, dtype=torch.float32, max_num_seqs=seqs,
-                                  num_blocks=256, policy=SpeculationPolicy(mode=mode, num_speculative_tokens=k), **flags)
+                                  num_blocks=256, policy=SpeculationPolicy(mode=mode, num_speculative_tokens=k), **flags, **options)
 
 
 def _prompts(engine: Engine, domain: str, n: int) -> list[list[int]]:
@@ -103,6 +104,30 @@ def test_a_hybrids_static_steps_share_one_staged_buffer_per_role() -> None:
     staged = [o.staged if hasattr(o, "staged") else o[2] for o in outputs]
     assert len(staged) == len(runner.graphs) and (len(staged) > 0) == CUDA
     assert all(s.ssm.untyped_storage().data_ptr() in bases for s in staged)
+
+
+def test_a_hybrids_staged_state_budget_shrinks_k_and_decode_steps_not_the_tokens() -> None:
+    """staged_state_mib bounds what one static step stages (specialists/staged_states.py): with room for
+    8 tokens of the toy's states, batch 1 verifies K=3 (up to 7) and decodes 4 tokens a step, bucket 4
+    verifies 1 draft and decodes 2 a step (8 tokens each); the greedy tokens, speculative and plain
+    (multi-step, decoded ahead), equal the eager engine's, and no role's buffer holds more than 8 tokens."""
+    ref = _engine("cpp", False, "off")
+    prompts = _prompts(ref, "cpp", 4)
+    want = _run(ref, prompts[:1], 1) + _run(ref, prompts, 3)
+    per_token = ref.ssm.conv[0].nbytes + ref.ssm.ssm[0].nbytes
+    eng = _engine("cpp", True, "on", k=3, seqs=4, decode_steps=4, decode_ahead=True, staged_state_mib=8.5 * per_token / 2**20)
+    eng.capture_graphs()
+    runner = eng.runner
+    assert runner.staged.max_tokens == 8
+    assert [runner.max_drafts(b) for b in (1, 2, 3)] == [7, 3, 1] and [runner.multi_steps(b) for b in (1, 2, 3)] == [4, 4, 2]
+    assert _run(eng, prompts[:1], 1) + _run(eng, prompts, 3) == want  # speculative
+    assert eng.totals.as_dict()["drafted"] > 0
+    eng.set_policy(SpeculationPolicy(mode="off"))
+    assert _run(eng, prompts[:1], 1) + _run(eng, prompts, 3) == want  # plain: multi-step decodes
+    assert eng.speculator.decoding.stats()["used"] > 0
+    assert 0 < max(b.ssm.shape[0] for b in runner.staged._buffers.values()) <= 8
+    with pytest.raises(OptionsError, match="staged_state_mib"):
+        _engine("cpp", True, staged_state_mib=0)
 
 
 @pytest.mark.parametrize("domain", ["shell", "cpp"])  # Llama; Mamba2 hybrid
