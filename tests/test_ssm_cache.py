@@ -194,3 +194,27 @@ def test_write_staged_last_writes_the_last_states_and_commit_still_keeps_fewer(p
     alone.commit(slots, [4, 2, 1])
     assert torch.equal(cache.conv, alone.conv) and torch.equal(cache.ssm, alone.ssm)
     assert torch.equal(cache.ssm[slots[1]], ssm[1, 1]) and cache.staged_layers() == []
+
+
+def test_a_commit_after_write_staged_last_writes_only_the_rows_cut_short(params) -> None:
+    """A row that keeps every staged token already has that state in its slot (write_staged_last): the
+    commit leaves it (bamba-1b at batch 8 copied 200 MB a step twice); a row cut short still gets the
+    state after its kept tokens. Shown by changing the staging after write_staged_last: only the cut row
+    takes the change. A later staging is committed in full again."""
+    torch.manual_seed(4)
+    cache = _cache(params)
+    slots = [cache.allocate() for _ in range(2)]
+    c = cache.config
+    conv = torch.randn(2, 4, c.num_layers, c.conv_dim, c.d_conv - 1)
+    ssm = torch.randn(2, 4, c.num_layers, c.num_heads, c.head_dim, c.d_state)
+    cache.stage_all(slots, conv, ssm)
+    cache.write_staged_last()
+    last = ssm[0, -1].clone()
+    ssm.zero_()
+    conv.zero_()
+    cache.commit(slots, [4, 2])
+    assert torch.equal(cache.ssm[slots[0]], last) and not cache.ssm[slots[0]].eq(0).all()
+    assert cache.ssm[slots[1]].eq(0).all() and cache.conv[slots[1]].eq(0).all()
+    cache.stage_all(slots, conv + 1, ssm + 1)
+    cache.commit(slots, [4, 4])  # no write_staged_last: every kept row written
+    assert cache.ssm[slots[0]].eq(1).all() and cache.ssm[slots[1]].eq(1).all()
