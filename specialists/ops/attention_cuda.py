@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from specialists.models.batch import ForwardBatch
-from specialists.ops.decode_fused import arrival_locks
+from specialists.ops.decode_fused import arrival_locks, scratch
 
 __all__ = ["paged_attention_static", "CHUNK"]
 
@@ -125,9 +125,8 @@ def paged_attention_static(
     bq = max(16, triton.next_power_of_2(g))
     nsplit = triton.cdiv(batch.max_context_len, CHUNK)  # the static width: a shape of the graph
     parts = T * hkv * nsplit * bq if nsplit > 1 else 1  # one chunk: no partials
-    m = torch.empty(parts, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(parts, hd, dtype=torch.float32, device=q.device)
+    work = scratch(q.device, parts * (hd + 2))  # m, l, acc of every chunk
+    m, l_, acc = work[:parts], work[parts:2 * parts], work[2 * parts:].view(parts, hd)
     o = torch.empty_like(q)
     tables = batch.block_tables
     _attention_kernel[(T, hkv, nsplit)](q, k_cache_layer, v_cache_layer, tables, batch.positions, m, l_, acc, o,

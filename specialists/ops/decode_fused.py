@@ -156,6 +156,22 @@ def arrival_locks(device: torch.device, n: int) -> torch.Tensor:
     return t
 
 
+_SCRATCH: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def scratch(device: torch.device, n: int) -> torch.Tensor:
+    """n fp32 words a kernel's programs share while it runs (a split-K product's partials, the decode
+    attention's chunk partials, attention_cuda.py): the first n of one buffer per device, grown by
+    doubling and never freed (captured graphs keep the addresses they were captured with). Kernels
+    run one after another on a stream, and one launched early (PDL) writes only after the kernel before
+    it has finished, so one buffer serves them all. Allocated per call, these partials took each
+    graph's private memory pool ~30 MB (llama-1b, width 2048: a verify's attention 34 MB a layer)."""
+    bufs = _SCRATCH.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.empty(max(n, 2 * bufs[-1].numel() if bufs else 1 << 18), dtype=torch.float32, device=device))
+    return bufs[-1][:n]
+
+
 _PDL: dict[torch.device, bool] = {}
 # Programmatic dependent launch for products whose weight is at most this many bytes: the product
 # launches as soon as every program of the kernel before it runs (that kernel lets it: a product
@@ -350,8 +366,9 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
     blocks = triton.cdiv(n, bn)
     ws = ss = locks = out
     if split > 1:
-        ws = torch.empty(blocks * split * bn * bm, dtype=torch.float32, device=x.device)
-        ss = torch.empty(blocks * split * bm, dtype=torch.float32, device=x.device)
+        n_ws = blocks * split * bn * bm
+        ws = scratch(x.device, n_ws + blocks * split * bm)
+        ws, ss = ws[:n_ws], ws[n_ws:]
         locks = arrival_locks(x.device, blocks)
     early = launches_early(w) and bk >= 64
     _mma_kernel[(blocks, split)](
