@@ -130,6 +130,26 @@ def test_a_hybrids_staged_state_budget_shrinks_k_and_decode_steps_not_the_tokens
         _engine("cpp", True, staged_state_mib=0)
 
 
+def test_warm_up_reserves_each_staged_role_at_its_largest_step() -> None:
+    """Runner.reserve_staged (what a GPU warm-up calls before its captures) sizes each role's buffer
+    for the largest step of the shapes it will capture, so that no buffer grows afterwards: a graph
+    captured over a buffer that was later replaced would keep the old one alive. Here K=3 over buckets
+    1..4 (decodes and verifies: 4 x 4 tokens) and two copies of a 4-step decode (4 x 4 each); steps of
+    batches 1 and 3, speculative and plain, then write into those same buffers."""
+    eng = _engine("cpp", True, "on", k=3, seqs=4, decode_steps=4, decode_ahead=True)
+    runner = eng.runner
+    runner.reserve_staged(runner.graph_shapes(4), 3)
+    bufs = {role: (b.ssm.data_ptr(), b.ssm.shape[0]) for role, b in runner.staged._buffers.items()}
+    assert bufs and {role: n for role, (_, n) in bufs.items()} == {"step": 16, ("multi", 0): 16, ("multi", 1): 16}
+    prompts = _prompts(eng, "cpp", 4)
+    _run(eng, prompts[:1], 1)
+    _run(eng, prompts, 3)
+    eng.set_policy(SpeculationPolicy(mode="off"))
+    _run(eng, prompts, 3)
+    assert eng.speculator.decoding.stats()["used"] > 0 and eng.totals.as_dict()["drafted"] > 0
+    assert {role: (b.ssm.data_ptr(), b.ssm.shape[0]) for role, b in runner.staged._buffers.items()} == bufs
+
+
 @pytest.mark.parametrize("domain", ["shell", "cpp"])  # Llama; Mamba2 hybrid
 def test_drafting_ahead_proposes_the_chains_drafts(domain: str) -> None:
     """The chain drafted on the device right after a greedy verify (spec/speculator.py) proposes exactly
