@@ -105,7 +105,7 @@ class Runner:
         # staged states are 96 MB a row (4 tokens x 12 layers x 2 MB), so only where a step ahead needs them
         self._copies = 2 if ssm is not None and cfg.decode_ahead else 1
         self._parity = 0
-        budget = budget_mib(cfg.staged_state_mib, torch.device(self.device))
+        budget = budget_mib(cfg.staged_state_mib, cfg.device)
         self.staged = StagedBuffers(ssm.conv, ssm.ssm, budget, min(bucket_size(cfg.max_num_seqs), MAX_GRAPH_BATCH)) \
             if ssm is not None and cfg.static_batches else None  # a hybrid's staged states (and their budget)
         self._staged_tokens = self.staged.max_tokens if self.staged is not None else 1 << 30  # the most a step stages
@@ -309,8 +309,9 @@ class Runner:
     def _multi_step(self, batch: ForwardBatch, steps: int, parity: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
         self._check_generation()
         key = self._multi_key(batch.num_seqs, steps, batch.max_context_len, parity)
-        staged = self.staged.views(("multi", parity), batch.num_seqs, steps) if self.staged is not None else None
-        return self.graphs.run(key, lambda: multi_decode(self.model, self.kv, batch, steps, self.ssm, staged))
+        return self.graphs.run(key, lambda: multi_decode(  # the staged views are made at capture only, not per replay
+            self.model, self.kv, batch, steps, self.ssm,
+            self.staged.views(("multi", parity), batch.num_seqs, steps) if self.staged is not None else None))
 
     def _multi_key(self, rows: int, steps: int, width: int, parity: int) -> tuple:
         """The graph key of a multi-step decode; a hybrid decoding ahead has a copy per parity (run_multi)."""
@@ -325,11 +326,11 @@ class Runner:
         """The graph of a static batch (captured on its shape's first call): forward, logits, argmax,
         the rows' greedy acceptance packed for the host and, given, the drafter's rebuild."""
         self._check_generation()
-        if self.staged is not None:
-            batch.staged_out = self.staged.views("step", batch.num_seqs, batch.max_query_len)
 
         def step() -> StaticOutputs:
             batch.__dict__.pop("_attn_meta", None)  # built inside the graph, from the static buffers
+            if self.staged is not None:  # a hybrid's states go to the role's buffer (views made at capture only)
+                batch.staged_out = self.staged.views("step", batch.num_seqs, batch.max_query_len)
             hidden = self.model.forward(batch, self.kv, self.ssm)  # [Tp, d]
             logits = self.model.logits(hidden).float()
             if mask is not None:  # a guided step's grammar masks (static buffers)
