@@ -215,12 +215,8 @@ def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torc
 
 def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor) -> None:
     """h += mlp_block(w, rms_norm(h) * gain), in place, on the fused path (fused_step)."""
-    from specialists.ops import decode_fused, mlp_fused
+    from specialists.ops import decode_fused
 
-    if mlp_fused.plan(h.shape[1], w.down_proj.shape[1], h.device) is not None and (
-            w.gate_up.is_contiguous() and w.down_proj.is_contiguous()):
-        mlp_fused.mlp(h, gain, eps, w.gate_up, w.down_proj, w.gate_up_bias, w.down_bias)  # one kernel (small widths)
-        return
     gate_up = decode_fused.mma(h, w.gate_up, w.gate_up_bias, gain=gain, eps=eps)
     decode_fused.mma(gate_up, w.down_proj, w.down_bias, swiglu=True, residual=h)
 
