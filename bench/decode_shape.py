@@ -11,6 +11,9 @@ Added to the result line:
   ms_per_token             1000 * the engine's timed seconds / the tokens one sequence waited for (each
                            batch's longest output, summed; the prefill's time included)
   ratio_to_bound           ms_per_token / bound_ms
+  tpot_ms, ttft_ms         without --spec-k, medians over the timed requests: first token to last over the
+                           tokens after the first (decode only: the time per output token peers report), and
+                           arrival to first token (queue and prefill); tpot_ratio_to_bound = tpot_ms / bound_ms
   engine_steps             those tokens (named for the one-token steps they were before multi-step decodes)
   decode_steps             the plain engine's greedy decodes per step (specialists/multistep.py; 4 on CUDA)
   ms_per_token_one_step    with decode_steps > 1: the plain engine again at one token per step, same batches
@@ -149,6 +152,18 @@ def _one_step_figures(sides: Any, batches: list, args: argparse.Namespace, t_eng
     return out
 
 
+def latency_figures(stats: list, bound_ms: float) -> dict:
+    """tpot_ms, ttft_ms and tpot_ratio_to_bound (module docstring) from (RequestStats, tokens) pairs;
+    {} without them (a --spec-k run)."""
+    tpots = [(st.finished_time - st.first_token_time) / (n - 1) for st, n in stats
+             if n > 1 and st.finished_time is not None and st.first_token_time is not None]
+    ttfts = [st.ttft_s for st, _ in stats if st.ttft_s is not None]
+    if not tpots:
+        return {}
+    tpot = _ms(median_or_none(tpots))
+    return {"tpot_ms": tpot, "ttft_ms": _ms(median_or_none(ttfts)), "tpot_ratio_to_bound": _ratio(tpot, bound_ms)}
+
+
 def bound_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine: float, steps: int) -> dict:
     """The result line's additions (module docstring), measured on this device now. steps: the decode
     tokens one sequence waited for (each batch's longest output, summed)."""
@@ -163,6 +178,7 @@ def bound_figures(sides: Any, batches: list, args: argparse.Namespace, t_engine:
               "bandwidth": {k: v if k == "buffer_mib" else _sig(v) for k, v in bw.items()}, "bound_ms": _sig(bound_ms),
               "ms_per_token": None if ms_per_token is None else round(ms_per_token, 4), "engine_steps": steps,
               "ratio_to_bound": _ratio(ms_per_token, bound_ms)}
+    result.update(latency_figures(sides.timed_stats, bound_ms))
     result.update(_one_step_figures(sides, batches, args, t_engine, steps))
     result.update(_step_figures(sides, batches, args))
     if args.profile is not None:

@@ -19,12 +19,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy, EOS ignored: exactly max_new_tokens ids per prompt, in prompt order."""
+def engine_generate(engine, prompts: list[list[int]], max_new_tokens: int, stats: list | None = None) -> list[list[int]]:
+    """Greedy, EOS ignored: exactly max_new_tokens ids per prompt, in prompt order. stats: gets each
+    request's (RequestStats, output length)."""
     from specialists.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    return [list(o.token_ids) for o in engine.generate(prompts, params, use_tqdm=False)]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    if stats is not None:
+        stats.extend((o.stats, len(o.token_ids)) for o in outs)
+    return [list(o.token_ids) for o in outs]
 
 
 @torch.no_grad()
@@ -71,6 +75,8 @@ class Sides:
     later_ratio: float | None = None  # plain / speculative time over the rounds after the first
 
     gates: dict = field(default_factory=dict)  # id(engine) -> (its speculating gate, its plain gate)
+    request_stats: list = field(default_factory=list)  # (RequestStats, tokens) of run_engine's requests
+    timed_stats: list = field(default_factory=list)  # those of the timed run (without --spec-k)
 
     def side(self, eng: Any, speculate: bool) -> None:
         """With --spec-k both engines have the drafter: either takes either side, each with a gate of its
@@ -91,7 +97,7 @@ class Sides:
         return engine_generate(eng, batch, self.n if max_new is None else max_new)
 
     def run_engine(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
-        return engine_generate(self.engine, batch, self.n if max_new is None else max_new)
+        return engine_generate(self.engine, batch, self.n if max_new is None else max_new, self.request_stats)
 
     def run_spec(self, batch: list[list[int]], max_new: int | None = None) -> list[list[int]]:
         return engine_generate(self.spec_engine, batch, self.n if max_new is None else max_new)
@@ -141,7 +147,9 @@ def timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | No
     """The engine's outputs and time, and the speculative engine's ([] and 0.0 without one); with
     repeat, the mean time of a round."""
     if sides.spec_engine is None:
+        sides.request_stats.clear()
         ours, t_engine = timed(sides.run_engine, batches, sides.device, "engine")
+        sides.timed_stats = list(sides.request_stats)
         return ours, [], t_engine, 0.0
     if len(batches) * repeat % 2:  # the engines alternate (_role): an odd count puts one on a side once more
         print(f"note: {len(batches)} batch(es) x {repeat} round(s) is odd: the two engines do not run each side equally "

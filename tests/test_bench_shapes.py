@@ -95,6 +95,20 @@ def test_shape_result_line(tmp_path: Path, capsys, shape: str) -> None:
     assert row["checkpoint"]["shape"] == shape and row["checkpoint"]["random_weights"] is True
 
 
+def test_shape_result_line_has_decode_only_latency(tmp_path: Path, capsys) -> None:
+    """Without --spec-k: tpot_ms (first token to last, per later token) and ttft_ms of the timed
+    requests; at batch 1 the requests run one after another, so their ttft + (n - 1) * tpot add up to
+    the timed run (ms_per_token x engine_steps) less the gaps between requests."""
+    rc = main(["--shape", "tiny-llama", "--device", "cpu", "--limit", "2", "--max-new-tokens", "8", "--skip-hf",
+               "--shape-dir", str(tmp_path / "s"), "--bandwidth-mib", "64", "--results", str(tmp_path / "r.jsonl")])
+    assert rc == 0
+    result = _last_json(capsys)
+    assert result["tpot_ms"] > 0 and result["ttft_ms"] > 0
+    assert result["tpot_ratio_to_bound"] == pytest.approx(result["tpot_ms"] / result["bound_ms"], rel=1e-2)
+    total = result["ms_per_token"] * result["engine_steps"]  # 2 requests x 8 tokens
+    assert 0.6 * total <= 2 * (result["ttft_ms"] + 7 * result["tpot_ms"]) <= 1.05 * total
+
+
 @pytest.mark.parametrize("shape, overrides", [
     # llama3 rope scaling (Llama-3.2's rope_parameters) at head_dim 64, in two narrow layers
     ("llama-1b", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
