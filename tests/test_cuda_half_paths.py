@@ -115,8 +115,12 @@ def test_prefill_attention_plans_nothing_per_length(checkpoint: Path) -> None:
     assert (out.float() - want).abs().max() < 3e-2
     from torch.nn.attention.bias import causal_lower_right  # what a one-sequence prefill passes
 
-    lower_right = sdpa(q, k, v, attn_mask=causal_lower_right(37, 53), enable_gqa=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lower_right = sdpa(q, k, v, attn_mask=causal_lower_right(37, 53), enable_gqa=True)
     assert (lower_right.float() - want).abs().max() < 3e-2
+    assert not [e.name for e in prof.events() if "repeat_interleave" in e.name]  # flash reads the 3 KV heads as they are
+    repeated = sdpa(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=causal_lower_right(37, 53))
+    assert torch.equal(lower_right, repeated)
     engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.bfloat16, policy=SpeculationPolicy(mode="off"))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.generate([list(range(5, 5 + 77))], SamplingParams(max_tokens=2, ignore_eos=True))

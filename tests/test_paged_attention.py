@@ -144,3 +144,25 @@ def test_static_kernel_matches_dense(seed: int, q_len: int, hq: int, hkv: int) -
     batch.max_context_len = 2 * width  # a wider static batch: the same keys, the same sums
     wide = paged_attention_static(half, k_pool.to(torch.bfloat16), v_pool.to(torch.bfloat16), batch).float()
     assert torch.equal(wide, out)
+
+
+@pytest.mark.parametrize("old", [0, 5])
+def test_a_fresh_prefill_attends_over_its_own_kv_as_over_the_pool(old: int) -> None:
+    """A one-sequence prefill with nothing cached before it takes the step's own k and v (`fresh`)
+    instead of gathering them back from the pool: the same bits. With a cached prefix (old > 0) the
+    pool is read whatever `fresh` says: the result is attention over prefix and prompt together."""
+    g = torch.Generator().manual_seed(7 + old)
+    hq, hkv, D, T, bs = 6, 2, 16, 9, 4
+    table = [7, 3, 11, 20]
+    k_pool, v_pool = torch.full((24, bs, hkv, D), 1e30), torch.full((24, bs, hkv, D), 1e30)
+    k, v = torch.randn(old + T, hkv, D, generator=g), torch.randn(old + T, hkv, D, generator=g)
+    q = torch.randn(T, hq, D, generator=g)
+    if old:
+        write_kv(k[:old], v[:old], k_pool, v_pool, torch.from_numpy(flat_slots(table, 0, old, bs)))
+    step = [SeqStep(0, list(range(T)), old, table, is_prefill=True, logits="all")]
+    batch = ForwardBatch.build(step, bs)
+    write_kv(k[old:], v[old:], k_pool, v_pool, batch.slot_mapping)
+    gathered = paged_attention(q, k_pool, v_pool, batch)
+    same = paged_attention(q, k_pool, v_pool, ForwardBatch.build(step, bs), fresh=(k[old:], v[old:]))
+    assert torch.equal(gathered, same)
+    torch.testing.assert_close(same, _dense_reference(q, k, v, old), atol=1e-5, rtol=1e-5)

@@ -37,6 +37,10 @@ def test_rope_write_kv_matches_torch(hq: int, hkv: int, d: int, r: int) -> None:
     torch.testing.assert_close(q.float(), qk[:, :hq], atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(kp.float(), kr, atol=2e-2, rtol=1e-2)
     assert torch.equal(vp.float(), vr)  # v is copied, not rotated
+    k_out = torch.zeros(T, hkv, d, dtype=torch.bfloat16)  # the rotated k in token order too (a fresh prefill's)
+    kp2, vp2 = torch.zeros_like(kp), torch.zeros_like(vp)
+    assert torch.equal(rope_write_kv(qkv, cos, sin, kp2, vp2, slots, hq, hkv, d, k_out=k_out), q)
+    assert torch.equal(k_out, kp.view(nb * bs, hkv, d)[slots]) and torch.equal(kp2, kp) and torch.equal(vp2, vp)
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots] = False
     assert not kp.view(nb * bs, hkv, d)[untouched].any() and not vp.view(nb * bs, hkv, d)[untouched].any()

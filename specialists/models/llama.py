@@ -149,24 +149,29 @@ def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     given as qkv: the product did those already, decode_fused.RopeKV). let_next: the o product after
     it launches early (decode_fused.launches_early); the static kernel lets it."""
     T = qkv.shape[0]
+    fresh = None  # a one-sequence prefill's own k and v: attended without gathering them back from the pool
     if qkv.dim() == 3:  # rotated q: the product wrote k and v
         q = qkv
     elif qkv.is_cuda and qkv.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
         from specialists.ops.rope_kv import rope_write_kv  # Triton: a GPU install has it
 
+        if batch.num_seqs == 1 and not batch.static:
+            fresh = (qkv.new_empty(T, w.num_kv_heads, w.head_dim),
+                     qkv[:, w.split[0] + w.split[1]:].view(T, w.num_kv_heads, w.head_dim))
         q = rope_write_kv(qkv, cos, sin, k_cache_layer, v_cache_layer, batch.slot_mapping, w.num_heads,
-                          w.num_kv_heads, w.head_dim)
+                          w.num_kv_heads, w.head_dim, k_out=None if fresh is None else fresh[0])
     else:
         qk, v = qkv.split([w.split[0] + w.split[1], w.split[2]], dim=-1)
         qk = Rope.apply(qk.view(T, w.num_heads + w.num_kv_heads, w.head_dim), cos, sin)  # q and k heads rotated at once
         q, k = qk.split([w.num_heads, w.num_kv_heads], dim=1)
-        write_kv(k, v.view(T, w.num_kv_heads, w.head_dim), k_cache_layer, v_cache_layer, batch.slot_mapping)
+        fresh = (k, v.view(T, w.num_kv_heads, w.head_dim))
+        write_kv(*fresh, k_cache_layer, v_cache_layer, batch.slot_mapping)
     if let_next and use_static_kernel(q, batch):
         from specialists.ops.attention_cuda import paged_attention_static  # Triton: a GPU install has it
 
         o = paged_attention_static(q, k_cache_layer, v_cache_layer, batch, w.head_dim ** -0.5, let_next=True)
     else:
-        o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5)
+        o = paged_attention(q, k_cache_layer, v_cache_layer, batch, scale=w.head_dim ** -0.5, fresh=fresh)
     return o.reshape(T, w.num_heads * w.head_dim)
 
 

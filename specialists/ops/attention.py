@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from specialists.models.batch import ForwardBatch
 
@@ -51,6 +51,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = F
     cuDNN backend (see _NO_CUDNN), grouped KV heads repeated for the memory-efficient kernel."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kw)
+    if isinstance(kw.get("attn_mask"), CausalBias):  # flash attention reads grouped KV heads as they are
+        with sdpa_kernel(_NO_CUDNN):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kw)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
@@ -64,7 +67,10 @@ def paged_attention_torch(
     v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     batch: ForwardBatch,
     scale: float | None = None,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, H_q, D]
+    """fresh: the step's own k and v [T, H_kv, D] as written to the pool; a one-sequence prefill with
+    nothing cached before it attends over them instead of gathering them back (the same values)."""
     T, hq, d = q.shape
     bs, hkv = k_cache_layer.shape[1], k_cache_layer.shape[2]
     if hq % hkv:
@@ -72,9 +78,7 @@ def paged_attention_torch(
     B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
     flat, invalid, mask = _metadata(batch, bs, q.device)
 
-    # context K/V of every sequence, padded: [B, max_ctx, H_kv, D]
-    k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
-    v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
+    k, v = _context_kv(k_cache_layer, v_cache_layer, flat, batch, q, fresh)  # [B, max_ctx, H_kv, D]
     if B > 1 or batch.static:  # one sequence: every gathered slot up to max_ctx is its own context
         if k.device.type == "cpu" and not batch.static:  # zero just each row's tail (~6% faster at batch 8; lengths cost no sync here)
             for b, n in enumerate(batch.context_lens.tolist()):
@@ -196,6 +200,20 @@ def _gather(pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
     return torch.index_select(pool, 0, flat, out=out)
 
 
+def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, flat: torch.Tensor, batch: ForwardBatch,
+                q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context K/V of every sequence, padded: [B, max_ctx, H_kv, D], gathered from the pool, or a
+    one-sequence prefill's own (fresh) when its prompt is its whole context."""
+    B, max_ctx = batch.num_seqs, batch.max_context_len
+    if (fresh is not None and B == 1 and batch.max_query_len == max_ctx == q.shape[0] and not batch.static
+            and k_cache_layer.dtype == q.dtype):
+        return fresh[0][None], fresh[1][None]
+    hkv, d = k_cache_layer.shape[2], k_cache_layer.shape[3]
+    k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
+    v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
+    return k, v
+
+
 def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What every attention layer of a step (and the drafter's rebuild) shares, built once per batch:
     the flat block ids to gather [B * nblk], the mask of slots past each context [B, max_ctx, 1, 1]
@@ -233,13 +251,13 @@ def use_static_kernel(q: torch.Tensor, batch: ForwardBatch) -> bool:
 
 
 def _paged_attention_cuda(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                          batch: ForwardBatch, scale: float | None = None) -> torch.Tensor:
+                          batch: ForwardBatch, scale: float | None = None, fresh=None) -> torch.Tensor:
     """Static half-precision batches through the Triton kernel (attention_cuda.py), the rest in torch."""
     if use_static_kernel(q, batch):
         from specialists.ops.attention_cuda import paged_attention_static  # Triton: a GPU install has it
 
         return paged_attention_static(q, k_cache_layer, v_cache_layer, batch, scale)
-    return paged_attention_torch(q, k_cache_layer, v_cache_layer, batch, scale)
+    return paged_attention_torch(q, k_cache_layer, v_cache_layer, batch, scale, fresh)
 
 
 # device type -> implementation
@@ -255,8 +273,9 @@ def paged_attention(
     v_cache_layer: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     batch: ForwardBatch,
     scale: float | None = None,  # default D ** -0.5
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,  # the step's k, v [T, H_kv, D] (paged_attention_torch)
 ) -> torch.Tensor:  # [T, H_q, D]
     """Causal attention of each sequence's new tokens (already written with write_kv) over its
     context [0, context_len) in the paged pool."""
     impl = _BACKENDS.get(q.device.type, paged_attention_torch)
-    return impl(q, k_cache_layer, v_cache_layer, batch, scale)
+    return impl(q, k_cache_layer, v_cache_layer, batch, scale, fresh)

@@ -16,8 +16,9 @@ __all__ = ["rope_write_kv"]
 
 
 @triton.jit(do_not_specialize=["stride_qkv", "stride_cs"])
-def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kp_ptr, vp_ptr, stride_qkv, stride_cs,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kp_ptr, vp_ptr, ko_ptr, stride_qkv, stride_cs,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
+                    K_OUT: tl.constexpr):
     t = tl.program_id(0)  # one token
     h = tl.program_id(1)  # one head: q heads, then k heads, then v heads
     d = tl.arange(0, BLOCK_D)
@@ -38,6 +39,8 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kp_ptr, vp_ptr, 
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if h < HQ + HKV:
             tl.store(kp_ptr + (slot * HKV + (h - HQ)) * D + d, x, mask=dm)
+            if K_OUT:  # the rotated k of the step's tokens, in token order, as the pool holds it
+                tl.store(ko_ptr + (t * HKV + (h - HQ)) * D + d, x, mask=dm)
         else:
             tl.store(vp_ptr + (slot * HKV + (h - HQ - HKV)) * D + d, x, mask=dm)
 
@@ -52,6 +55,7 @@ def rope_write_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_out: torch.Tensor | None = None,  # [T, H_kv, D]: also gets the rotated k (as written to the pool)
 ) -> torch.Tensor:  # q [T, H_q, D], rotated
     T = qkv.shape[0]
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(0) != cos.stride(0):
@@ -59,6 +63,7 @@ def rope_write_kv(
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T:
         _rope_kv_kernel[(T, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, slot_mapping, q, k_cache_layer, v_cache_layer, qkv.stride(0), cos.stride(0),
-            HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(head_dim))
+            qkv, cos, sin, slot_mapping, q, k_cache_layer, v_cache_layer, q if k_out is None else k_out, qkv.stride(0),
+            cos.stride(0), HQ=num_heads, HKV=num_kv_heads, D=head_dim, R=cos.shape[-1],
+            BLOCK_D=triton.next_power_of_2(head_dim), K_OUT=k_out is not None)
     return q
