@@ -157,7 +157,7 @@ class PagedDrafter:
         x = self._fuse(hidden.to(self.k.dtype), next_tokens.clamp(min=0))
         q, k, v = self._qkv(x, batch.positions + 1, batch.max_context_len)
         write_kv(k, v, self.k, self.v, batch.slot_mapping)
-        return self._finish(x, paged_attention(q, self.k, self.v, batch, scale=self.scale))
+        return self._finish(x, paged_attention(q, self.k, self.v, batch, scale=self.scale, fresh=(k, v)))
 
     @torch.inference_mode()
     def chain(
