@@ -166,3 +166,7 @@ def test_a_fresh_prefill_attends_over_its_own_kv_as_over_the_pool(old: int) -> N
     same = paged_attention(q, k_pool, v_pool, ForwardBatch.build(step, bs), fresh=(k[old:], v[old:]))
     assert torch.equal(gathered, same)
     torch.testing.assert_close(same, _dense_reference(q, k, v, old), atol=1e-5, rtol=1e-5)
+    exact = ForwardBatch.build(step, bs)
+    exact.row_exact = True  # a quantized engine's row-exact rows read the pool whatever fresh says
+    assert torch.equal(paged_attention(q, k_pool, v_pool, exact, fresh=(k[old:] * 0, v[old:] * 0)),
+                       paged_attention(q, k_pool, v_pool, exact))

@@ -48,7 +48,8 @@ _NO_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False, **kw: Any) -> torch.Tensor:
     """F.scaled_dot_product_attention (q [B, H, T, D], k / v [B, H_kv, S, D]); on CUDA without the
-    cuDNN backend (see _NO_CUDNN), grouped KV heads repeated for the memory-efficient kernel."""
+    cuDNN backend (see _NO_CUDNN), grouped KV heads repeated for the memory-efficient kernel, except
+    under a CausalBias (a one-sequence prefill), which flash attention takes with the heads as they are."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kw)
     if isinstance(kw.get("attn_mask"), CausalBias):  # flash attention reads grouped KV heads as they are
@@ -206,7 +207,7 @@ def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, flat: 
     one-sequence prefill's own (fresh) when its prompt is its whole context."""
     B, max_ctx = batch.num_seqs, batch.max_context_len
     if (fresh is not None and B == 1 and batch.max_query_len == max_ctx == q.shape[0] and not batch.static
-            and k_cache_layer.dtype == q.dtype):
+            and not batch.row_exact and k_cache_layer.dtype == q.dtype):  # (row-exact rows keep the pool's layout)
         return fresh[0][None], fresh[1][None]
     hkv, d = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
