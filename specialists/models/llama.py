@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specialists.models.batch import ForwardBatch
-from specialists.ops.attention import HALF, paged_attention, use_static_kernel, write_kv
+from specialists.ops.attention import HALF, attends_own_kv, paged_attention, use_static_kernel, write_kv
 from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import exact_linear, linear
 
@@ -155,7 +155,7 @@ def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     elif qkv.is_cuda and qkv.dtype in HALF:  # one Triton kernel: RoPE on q and k, k and v into the pool
         from specialists.ops.rope_kv import rope_write_kv  # Triton: a GPU install has it
 
-        if batch.num_seqs == 1 and not batch.static:
+        if attends_own_kv(batch):
             fresh = (qkv.new_empty(T, w.num_kv_heads, w.head_dim),
                      qkv[:, w.split[0] + w.split[1]:].view(T, w.num_kv_heads, w.head_dim))
         q = rope_write_kv(qkv, cos, sin, k_cache_layer, v_cache_layer, batch.slot_mapping, w.num_heads,

@@ -201,13 +201,20 @@ def _gather(pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
     return torch.index_select(pool, 0, flat, out=out)
 
 
+def attends_own_kv(batch: ForwardBatch) -> bool:
+    """A one-sequence prefill with nothing cached before it (its new tokens are its whole context), not
+    static and not row-exact (those rows keep the pool's layout): paged_attention_torch takes its own k
+    and v (`fresh`) instead of gathering them back from the pool."""
+    return (batch.num_seqs == 1 and batch.max_query_len == batch.max_context_len and not batch.static
+            and not batch.row_exact)
+
+
 def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, flat: torch.Tensor, batch: ForwardBatch,
                 q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The context K/V of every sequence, padded: [B, max_ctx, H_kv, D], gathered from the pool, or a
     one-sequence prefill's own (fresh) when its prompt is its whole context."""
     B, max_ctx = batch.num_seqs, batch.max_context_len
-    if (fresh is not None and B == 1 and batch.max_query_len == max_ctx == q.shape[0] and not batch.static
-            and not batch.row_exact and k_cache_layer.dtype == q.dtype):  # (row-exact rows keep the pool's layout)
+    if fresh is not None and attends_own_kv(batch) and k_cache_layer.dtype == q.dtype:
         return fresh[0][None], fresh[1][None]
     hkv, d = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
