@@ -156,11 +156,11 @@ class Engine:
 
     def capture_graphs(self, max_rows: int | None = None, progress: bool = False) -> int:
         """CUDA graphs of the policy's steps (every batch bucket up to max_rows, default max_num_seqs, every context width),
-        the speculative ones under mode off too (a switch is live; a graph captured in use cost a step 3-13 ms), the
-        largest K first (a hybrid's staged buffers: Runner.reserve_staged); others on first use. -> how many (0 on CPU)."""
+        the speculative ones under mode off too (a switch is live; a graph captured in use cost a step 3-13 ms), the largest
+        K first (a hybrid's staged buffers: Runner.reserve_staged), and a fresh prompt's prefills. -> how many (0 on CPU)."""
         policy, spec = self.gate.policy, self.drafter is not None
         ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())}, reverse=True) if spec else [0]
-        return sum(self.speculator.capture_graphs(k, spec, max_rows or self.cfg.max_num_seqs, progress) for k in ks)  # every K auto may pick
+        return sum(self.speculator.capture_graphs(k, spec, max_rows or self.cfg.max_num_seqs, progress) for k in ks) + self.runner.capture_prefills()
 
     def metrics(self) -> dict:
         return {**self.stats, **self.totals.as_dict(), **self._grammars.stats(), "gate": self.gate.snapshot(), "step_times": self.step_times.as_dict()}

@@ -87,6 +87,10 @@ class GraphCache:
     def has(self, key: Hashable) -> bool:
         return key in self._graphs
 
+    def keys(self) -> list[Hashable]:
+        """The keys of every graph captured (in capture order)."""
+        return list(self._graphs)
+
     def outputs(self, key: Hashable) -> Any:
         """The static outputs of the graph captured under key (None if there is none)."""
         entry = self._graphs.get(key)

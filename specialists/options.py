@@ -19,6 +19,7 @@ import torch
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_DECODE_STEPS = 4  # with CUDA graphs: a step's host work (~0.4 ms at 1B on an H100) paid once per 4 tokens
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048  # a fresh prompt's prefill graphs: 128, 256, ..., 2048 tokens (prefill_graph.py)
 
 
 class OptionsError(ValueError):
@@ -46,6 +47,10 @@ class EngineOptions:
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
     decode_ahead: bool | None = None  # launch the next plain multi-step decode before reading this one (None: with CUDA graphs)
+    # a fresh prompt's prefill (one sequence, nothing cached, attention-only model) padded to a length of
+    # specialists/prefill_graph.PREFILL_LENGTHS up to this many tokens, a CUDA graph per length
+    # (None: 2048 where CUDA graphs run in half precision, else 0, off; on a CPU it only pads: for tests)
+    prefill_graph_tokens: int | None = None
     # hybrids: MiB each role of the static steps' per-token Mamba states may take (specialists/staged_states.py);
     # K and decode_steps shrink at batch sizes whose steps would stage more (None: on CUDA 5% of the device's memory)
     staged_state_mib: float | None = None
@@ -89,6 +94,8 @@ class EngineOptions:
             raise OptionsError(f"staged_state_mib must be > 0, got {self.staged_state_mib}")
         if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
             raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
+            raise OptionsError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         return EngineConfig(
             device=dev, dtype=self.dtype, max_num_seqs=self.max_num_seqs, max_model_len=limit,
             block_size=self.block_size, num_blocks=num_blocks, enable_prefix_cache=self.enable_prefix_cache,
@@ -99,6 +106,8 @@ class EngineOptions:
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
             decode_ahead=static and (graphs if self.decode_ahead is None else self.decode_ahead),
             quantization=self.quantization or "auto", staged_state_mib=self.staged_state_mib,
+            prefill_graph_tokens=self.prefill_graph_tokens if self.prefill_graph_tokens is not None else
+            (DEFAULT_PREFILL_GRAPH_TOKENS if graphs and static and self.dtype in (torch.bfloat16, torch.float16) else 0),
         )
 
 
@@ -125,6 +134,7 @@ class EngineConfig:
     decode_ahead: bool  # spec/decode_ahead.py: static multi-step decodes (hybrids too)
     quantization: str = "auto"  # the engine resolves "auto" against its model (quantize.resolve)
     staged_state_mib: float | None = None  # None: on CUDA a share of the device's memory, else no bound (staged_states.py)
+    prefill_graph_tokens: int = 0  # 0: every prefill eager
 
 
 def _decode_steps(asked: int | None, graphs: bool, block_size: int) -> int:

@@ -30,7 +30,6 @@ eagerly. On by default on CUDA; `static_batches` (options.py) runs the static fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -41,11 +40,12 @@ from specialists.graphs import GraphCache
 from specialists.models.batch import ForwardBatch, SeqStep
 from specialists.multistep import multi_decode
 from specialists.options import EngineConfig
+from specialists.prefill_graph import PrefillGraphs
 from specialists.ops.rows_cuda import row_argmax
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
 from specialists.staged_states import StagedBuffers, budget_mib
-from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, StaticInputs, bucket_size, context_width,
+from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, Layout, StaticInputs, bucket_size, context_width,
                                  exact_rows, place_drafts, stage_rows)
 from state.kv_cache import KVCache, flat_slots
 from state.ssm_cache import SSMCache
@@ -72,20 +72,6 @@ class BatchRow(NamedTuple):
     @property
     def q(self) -> int:
         return len(self.tokens) + self.k
-
-
-@dataclass
-class _Layout:
-    """The shape of a built batch: real rows B of T tokens, padded to Bp rows of Tp tokens."""
-
-    B: int
-    T: int
-    Bp: int
-    Tp: int
-    q_pad: int  # tokens per padding row
-    width: int  # block table width
-    static: bool
-    uniform: bool = False  # no prefill, every row q_pad tokens
 
 
 class Runner:
@@ -115,6 +101,8 @@ class Runner:
         self.padded_steps = self.static_steps = self.masked_steps = 0
         self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
         self.exact_rows = exact_rows(self.device, model.lm_head.dtype)  # rows a step's products stay row-invariant
+        cap = min(cfg.prefill_graph_tokens, self.inputs.max_tokens, self.max_context_width)  # a fresh prompt's prefill graphs
+        self.prefills = PrefillGraphs(self, cap) if cap and ssm is None and not self.row_exact else None
         if torch.device(self.device).type == "cuda" and getattr(model, "rope", None) is not None:
             model.rope.tabulate(self.max_context_width, model.embed.dtype)  # RoPE rows gathered, not computed
 
@@ -193,7 +181,7 @@ class Runner:
         steps = [SeqStep(sid, [0] * n, start, self.kv.block_table(sid), True, "none") for sid, start, n in spans]
         return ForwardBatch.build(steps, self.kv.block_size, self.device)
 
-    def _layout(self, rows: list[BatchRow], tables: list[list[int]], allow_static: bool = True) -> _Layout:
+    def _layout(self, rows: list[BatchRow], tables: list[list[int]], allow_static: bool = True) -> Layout:
         qlens = [r.q for r in rows]
         if 0 in qlens:
             raise ValueError(f"seq {rows[qlens.index(0)].seq_id}: no new tokens")
@@ -209,9 +197,9 @@ class Runner:
         self.inputs.ensure(T + pad * q, B + pad, width)
         if static:  # the full width: a graph's views do not depend on the step
             width = self.inputs.max_blocks
-        return _Layout(B=B, T=T, Bp=B + pad, Tp=T + pad * q, q_pad=q, width=width, static=static, uniform=uniform)
+        return Layout(B=B, T=T, Bp=B + pad, Tp=T + pad * q, q_pad=q, width=width, static=static, uniform=uniform)
 
-    def _views(self, lay: _Layout, nb: int, nt: int, nl: int, seq_ids: list[int], qlens: list[int],
+    def _views(self, lay: Layout, nb: int, nt: int, nl: int, seq_ids: list[int], qlens: list[int],
                is_prefill: list[bool], max_ctx: int) -> ForwardBatch:
         """A ForwardBatch of the first nb rows / nt tokens / nl logits rows (those past lay.B are
         padding), as views of the device buffers."""
@@ -260,6 +248,9 @@ class Runner:
         the next token. static False: eager (its logits are masked before acceptance). `masks` (a
         static batch, with static_masks): grammar mask words per real logits row and the closing bonus,
         applied in the graph before the argmax (StepResult.static.masked)."""
+        length = self.prefills.length(rows, static) if self.prefills is not None else None
+        if length is not None:  # a fresh prompt, padded: a graph per length (prefill_graph.py)
+            return self.prefills.run(rows[0], length)
         batch, real = self.build(rows, static=static)
         if drafts is not None:
             place_drafts(batch, rows, drafts)
@@ -363,7 +354,7 @@ class Runner:
         inp = self.inputs
         inp.wait_upload()
         inp.ensure(Bp * q, Bp, inp.max_blocks)
-        lay = _Layout(B=0, T=0, Bp=Bp, Tp=Bp * q, q_pad=q, width=inp.max_blocks, static=True)
+        lay = Layout(B=0, T=0, Bp=Bp, Tp=Bp * q, q_pad=q, width=inp.max_blocks, static=True)
         inp.tables(Bp, lay.width)[:] = 0
         inp.staging("query_start_loc", 1)[0] = 0
         self._pad_rows(0, Bp, 0, q, True, lay.width)
@@ -378,6 +369,10 @@ class Runner:
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
         return True
 
+    def capture_prefills(self) -> int:
+        """A fresh prompt's prefill graph at every padded length (prefill_graph.py) -> how many were captured."""
+        return self.prefills.capture(BatchRow(-1, [0], True, -1)) if self.prefills is not None else 0
+
     def static_outputs(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None) -> StaticOutputs | None:
         """The outputs of the captured step graph of that shape (None if not captured)."""
         return self.graphs.outputs(_step_key(bucket_size(num_rows), q, width, rebuild))
@@ -391,7 +386,8 @@ class Runner:
                 self.staged.reserve(("multi", parity), max(b * self.multi_steps(b) for b, _ in shapes))
 
     def graph_stats(self) -> dict:  # Engine.stats: the target's CUDA graphs, a hybrid's staged state buffers
-        return {"graphs": len(self.graphs), "staged_state_mb": round(self.staged.nbytes / 2**20, 1) if self.staged else 0.0}
+        return {"graphs": len(self.graphs), "staged_state_mb": round(self.staged.nbytes / 2**20, 1) if self.staged else 0.0,
+                "padded_prefills": self.prefills.steps if self.prefills is not None else 0}
 
     def static_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device buffers a static batch of num_rows (padded) rows reads: its context lengths [Bp]

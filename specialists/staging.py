@@ -6,12 +6,27 @@ staging copy and the device gets it in one copy (on CPU the staging buffer is th
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specialists.ops.attention import HALF
 from state.transfer import device_ints
+
+
+@dataclass
+class Layout:
+    """The shape of a built batch (specialists/runner.py): real rows B of T tokens, padded to Bp rows of Tp tokens."""
+
+    B: int
+    T: int
+    Bp: int
+    Tp: int
+    q_pad: int  # tokens per padding row
+    width: int  # block table width
+    static: bool
+    uniform: bool = False  # no prefill, every row q_pad tokens
 
 
 class StaticInputs:
@@ -78,7 +93,7 @@ class StaticInputs:
 
 def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[list[int]], lay, bs: int) -> int:
     """Stages every real row of a step (specialists/runner.py's BatchRow: tokens, positions, slots, table,
-    context) into inp's host buffers, laid out as `lay` (the runner's _Layout); -> its logits rows. Whole
+    context) into inp's host buffers, laid out as `lay` (Layout); -> its logits rows. Whole
     arrays at once; steps of uniform rows (no prefill, one length) skip the general index arithmetic."""
     B = len(rows)
     ids, pos, slots, tseq, tq, lidx = (inp.staging(f, lay.Tp) for f in StaticInputs.TOKEN_FIELDS)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from specialists.runner import BatchRow, _Layout
-from specialists.staging import StaticInputs, stage_rows
+from specialists.runner import BatchRow
+from specialists.staging import Layout, StaticInputs, stage_rows
 
 
 @pytest.mark.parametrize("q", [1, 4])
@@ -23,7 +23,7 @@ def test_the_uniform_path_stages_what_the_general_path_stages(q: int, B: int) ->
     for uniform in (True, False):
         inp = StaticInputs(torch.device("cpu"), max_tokens=64, max_seqs=16, max_blocks=32)
         inp.np[:] = -7  # what stage_rows leaves alone must stay alike too
-        lay = _Layout(B=B, T=B * q, Bp=B, Tp=B * q, q_pad=q, width=32, static=False, uniform=uniform)
+        lay = Layout(B=B, T=B * q, Bp=B, Tp=B * q, q_pad=q, width=32, static=False, uniform=uniform)
         n = stage_rows(inp, rows, starts, tables, lay, bs)
         staged.append((n, inp.np.copy()))
     assert staged[0][0] == staged[1][0] == B * q

@@ -73,13 +73,12 @@ def paged_attention_torch(
     """fresh: the step's own k and v [T, H_kv, D] as written to the pool; a one-sequence prefill with
     nothing cached before it attends over them instead of gathering them back (the same values)."""
     T, hq, d = q.shape
-    bs, hkv = k_cache_layer.shape[1], k_cache_layer.shape[2]
+    hkv = k_cache_layer.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
-    flat, invalid, mask = _metadata(batch, bs, q.device)
-
-    k, v = _context_kv(k_cache_layer, v_cache_layer, flat, batch, q, fresh)  # [B, max_ctx, H_kv, D]
+    own = fresh if fresh is not None and attends_own_kv(batch) and k_cache_layer.dtype == q.dtype else None
+    k, v, invalid, mask = _context_kv(k_cache_layer, v_cache_layer, batch, q.device, own)  # [B, max_ctx, H_kv, D]
     if B > 1 or batch.static:  # one sequence: every gathered slot up to max_ctx is its own context
         if k.device.type == "cpu" and not batch.static:  # zero just each row's tail (~6% faster at batch 8; lengths cost no sync here)
             for b, n in enumerate(batch.context_lens.tolist()):
@@ -209,17 +208,23 @@ def attends_own_kv(batch: ForwardBatch) -> bool:
             and not batch.row_exact)
 
 
-def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, flat: torch.Tensor, batch: ForwardBatch,
-                q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch, device: torch.device,
+                own: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
     """The context K/V of every sequence, padded: [B, max_ctx, H_kv, D], gathered from the pool, or a
-    one-sequence prefill's own (fresh) when its prompt is its whole context."""
+    one-sequence prefill's own k and v (`own`, given when attends_own_kv) as they are; with the
+    metadata's mask of slots past each context and causal mask (_metadata). On CUDA `own` needs
+    neither (flash attention's causal bias): no block table or context length is read, which a
+    prefill graph's padded length (specialists/prefill_graph.py) relies on."""
+    if own is not None and device.type == "cuda":
+        return own[0][None], own[1][None], None, None
+    flat, invalid, mask = _metadata(batch, k_cache_layer.shape[1], device)
+    if own is not None:
+        return own[0][None], own[1][None], invalid, mask
     B, max_ctx = batch.num_seqs, batch.max_context_len
-    if fresh is not None and attends_own_kv(batch) and k_cache_layer.dtype == q.dtype:
-        return fresh[0][None], fresh[1][None]
     hkv, d = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
     v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
-    return k, v
+    return k, v, invalid, mask
 
 
 def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
