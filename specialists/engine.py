@@ -85,7 +85,7 @@ class Engine:
         self.scheduler.mark_drafts(self.drafter.copy_block if self.drafter is not None and prefix else None)
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
         self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
-        self.scheduler.draft_lookahead = self.speculator.ahead_pool
+        self.scheduler.draft_lookahead, self.scheduler.prefill_alone = self.speculator.ahead_pool, self.runner.lone_prefill
         if cfg.decode_ahead:  # spec/decode_ahead.py
             self.speculator.decoding.allowed = self._may_decode_ahead
         tok = tokenizer.convert_tokens_to_ids

@@ -96,7 +96,7 @@ class GraphCache:
         entry = self._graphs.get(key)
         return None if entry is None else entry.outputs
 
-    def _capture(self, fn: Callable[[], Any]) -> _Captured:
+    def _capture(self, fn: Callable[[], Any], pool: Any = None) -> _Captured:
         fn()  # eager warm-up: lazy initialisations happen outside the capture
         # capture on a side stream (a capture cannot run on the default stream); unlike torch.cuda.graph
         # this does not collect garbage and empty the allocator's cache per graph (tens of ms each), but
@@ -105,7 +105,7 @@ class GraphCache:
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), no_collection():
-            graph.capture_begin()
+            graph.capture_begin(pool=pool)
             try:
                 out = fn()
             finally:
@@ -114,12 +114,15 @@ class GraphCache:
         self.captures += 1
         return _Captured(graph, out)
 
-    def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+    def run(self, key: Hashable, fn: Callable[[], Any], pool: Any = None) -> Any:
+        """pool: a memory pool (torch.cuda.graph_pool_handle()) the capture shares with the other graphs
+        given it, for graphs that never run at once and whose outputs are read before the next of them
+        replays (a graph's outputs may then sit where another's temporaries go: prefill_graph.py)."""
         if not self.enabled:
             return fn()
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(fn)
+            entry = self._graphs[key] = self._capture(fn, pool)
         entry.graph.replay()
         self.replays += 1
         return entry.outputs

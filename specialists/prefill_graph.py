@@ -1,10 +1,12 @@
-"""A fresh prompt's prefill as a CUDA graph, at a padded length.
+"""Fresh prompts' prefills as CUDA graphs, at padded lengths.
 
 An eager prefill runs at the host's pace: SmolLM2-135M's 30 layers are ~380 kernels at ~25-50 us of
 host time each, so a 142-token prefill took 11-19 ms on an H100 of which 1.9 ms on the device
 (bench/RESULTS.md, session 24). A prefill with nothing cached before it, alone in its step, on an
 attention-only model (a hybrid's Mamba state would run on through the padding) is padded here to the
-next length of PREFILL_LENGTHS and replayed as one graph per length:
+next length of PREFILL_LENGTHS and replayed as one graph per length; a step of several such prompts
+(and nothing else) as one graph per (row bucket, length), each prompt a row padded to the longest's
+length:
 
 - the padding tokens come after the prompt, so causal attention keeps them out of the prompt's rows,
   and they write their K/V into the KV cache's scratch block (never read);
@@ -16,8 +18,10 @@ next length of PREFILL_LENGTHS and replayed as one graph per length:
 The padded prefill's products have more rows than the prompt, so in half precision its results may
 differ in the last bits from an eager prefill of the same prompt (cuBLAS picks its kernels by the
 row count), like any prefill next to a prefix hit; a speculative and a plain engine prefill alike.
-Its hidden states are views of the graph's outputs, valid until the next prefill of that length
-(the step's drafter rebuild reads them at once; the catch-up log keeps none on CUDA: runner.static).
+Its hidden states and logits are views of the graph's outputs, valid until the next prefill graph
+replays (the lengths share one memory pool, so another length's temporaries may overwrite them; the
+step's drafter rebuild and sampling read them at once, and the catch-up log keeps none on CUDA:
+runner.static).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from specialists.models.batch import ForwardBatch
-from specialists.staging import Layout, StaticInputs, stage_rows
+from specialists.models.batch import ForwardBatch, SeqStep
+from specialists.staging import BUCKETS, Layout, StaticInputs, bucket_size, stage_rows
 from specialists.step_result import StepResult
+from state.transfer import device_ints
 
 __all__ = ["PREFILL_LENGTHS", "PrefillGraphs", "prefill_length"]
 
@@ -46,41 +51,62 @@ def prefill_length(n: int, cap: int) -> int | None:
 
 
 class PrefillGraphs:
-    """The runner's (specialists/runner.py) padded prefills: `length` says whether a step is one,
-    `run` runs it, `capture` captures every length at warm-up on the scratch block."""
+    """The runner's (specialists/runner.py) padded prefills: `shape` says whether a step is one, `run`
+    runs it, `capture` captures every shape at warm-up on the scratch block. A step of several fresh
+    prompts runs as one graph too: rows padded to one length, at most `cap` tokens in all, a row bucket
+    of up to `max_rows` (the prompts' own batch is built apart, their hidden states gathered from the rows)."""
 
-    def __init__(self, runner: Any, cap: int) -> None:
-        self.runner, self.cap = runner, cap
-        self.steps = 0  # prefills run padded
+    def __init__(self, runner: Any, cap: int, max_rows: int = 1) -> None:
+        self.runner, self.cap, self.max_rows = runner, cap, max_rows
+        self.steps = 0  # prefill steps run padded
+        self._pool = None  # one memory pool for every shape's graph: about the largest one's (prefills run one at a time)
 
-    def lengths(self) -> list[int]:
-        return [n for n in PREFILL_LENGTHS if n <= self.cap]
+    def shapes(self) -> list[tuple[int, int]]:
+        """(row bucket, length) of every graph."""
+        rows = [b for b in BUCKETS if b <= self.max_rows]
+        return [(b, n) for b in rows for n in PREFILL_LENGTHS if b * n <= self.cap]
 
-    def length(self, rows: list, static: bool) -> int | None:
-        """The padded length of a step of `rows` (runner.BatchRow), None when it is no fresh one-sequence prefill."""
-        if not static or len(rows) != 1 or not rows[0].prefill or rows[0].k:
+    def fits(self, n: int) -> bool:
+        """Whether a fresh n-token prompt alone in its step prefills padded (the scheduler then runs it
+        apart from the running decodes: specialists/scheduler.py)."""
+        return prefill_length(n, self.cap) is not None
+
+    def shape(self, rows: list, static: bool) -> tuple[int, int] | None:
+        """(row bucket, padded length) of a step of `rows` (runner.BatchRow), None unless every row is a
+        fresh prompt (nothing cached) and they fit a graph."""
+        if not static or not rows or any(not r.prefill or r.k for r in rows):
             return None
-        if self.runner.kv.num_computed(rows[0].seq_id):
+        if any(self.runner.kv.num_computed(r.seq_id) for r in rows) or len(rows) > self.max_rows:
             return None
-        return prefill_length(len(rows[0].tokens), self.cap)
+        bp, length = bucket_size(len(rows)), prefill_length(max(len(r.tokens) for r in rows), self.cap)
+        return (bp, length) if length is not None and bp * length <= self.cap else None
 
     @torch.inference_mode()
-    def run(self, row: Any, length: int) -> StepResult:
-        real, padded = self._build(row, length, self.runner.kv.block_table(row.seq_id))
-        hidden, logits = self._replay(padded)
+    def run(self, rows: list, shape: tuple[int, int]) -> StepResult:
+        bp, length = shape
+        tables = [self.runner.kv.block_table(r.seq_id) for r in rows]
         self.steps += 1
-        return StepResult(logits, hidden[: real.num_tokens], real)
+        if bp == 1:
+            real, padded = self._build(rows[0], length, tables[0])
+            hidden, logits = self._replay(padded)
+            return StepResult(logits, hidden[: real.num_tokens], real)
+        hidden, logits = self._replay(self._build_rows(rows, bp, length, tables))
+        dev = self.runner.device
+        real = ForwardBatch.build([SeqStep(r.seq_id, list(r.tokens), 0, t) for r, t in zip(rows, tables)],
+                                  self.runner.kv.block_size, dev)
+        index = device_ints([b * length + j for b, r in enumerate(rows) for j in range(len(r.tokens))], dev)
+        return StepResult(logits[: len(rows)], hidden[index], real)
 
     @torch.inference_mode()
     def capture(self, row: Any) -> int:
-        """Every length's graph, on `row` (a one-token prompt the runner places in the scratch block)
-        -> how many were captured."""
-        runner, n = self.runner, 0
+        """Every shape's graph, on rows of `row` (a one-token prompt the runner places in the scratch
+        block) -> how many were captured."""
+        runner, n, scratch = self.runner, 0, [self.runner.kv.scratch_block]
         if not runner.graphs.enabled:
             return 0
-        for length in self.lengths():
-            if not runner.graphs.has(("prefill", length)):
-                self._replay(self._build(row, length, [runner.kv.scratch_block])[1])
+        for bp, length in self.shapes():
+            if not runner.graphs.has(("prefill", bp, length)):
+                self._replay(self._build(row, length, scratch)[1] if bp == 1 else self._build_rows([row] * bp, bp, length, [scratch] * bp))
                 n += 1
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
         return n
@@ -95,7 +121,9 @@ class PrefillGraphs:
             hidden = model.forward(batch, runner.kv, None)  # [length, d]
             return hidden, model.logits(hidden[batch.logits_indices]).float()
 
-        return runner.graphs.run(("prefill", batch.num_tokens), forward)
+        if self._pool is None and runner.graphs.enabled:
+            self._pool = torch.cuda.graph_pool_handle()
+        return runner.graphs.run(("prefill", batch.num_seqs, batch.max_query_len), forward, self._pool)
 
     def _build(self, row: Any, length: int, table: list[int]) -> tuple[ForwardBatch, ForwardBatch]:
         """(the prompt's batch, the padded one over the same buffers) for a prefill of row's tokens at 0."""
@@ -119,3 +147,37 @@ class PrefillGraphs:
                          token_qidx=dv("token_qidx", length), query_lens=[length], max_query_len=length,
                          max_context_len=length)
         return real, padded
+
+    def _build_rows(self, rows: list, bp: int, length: int, tables: list[list[int]]) -> ForwardBatch:
+        """The padded batch of several fresh prompts: row b's tokens at b * length, the padding after each
+        (and rows past the prompts: all padding) in the scratch block."""
+        runner = self.runner
+        inp, bs, n = runner.inputs, runner.kv.block_size, bp * length
+        inp.wait_upload()
+        width = max(max(len(t) for t in tables), -(-length // bs))
+        inp.ensure(n, bp, width)
+        ids, pos, slots, tseq, tq, lidx = (inp.staging(f, n) for f in StaticInputs.TOKEN_FIELDS)
+        j = np.tile(np.arange(length), bp)
+        ids[:], pos[:], tseq[:], tq[:] = 0, j, np.repeat(np.arange(bp), length), j
+        slots[:] = runner.kv.scratch_block * bs + j % bs
+        tab = inp.tables(bp, width)
+        tab[:] = 0
+        lens = [len(r.tokens) for r in rows] + [1] * (bp - len(rows))
+        for b, (r, t) in enumerate(zip(rows, tables)):
+            k = np.arange(lens[b])
+            ids[b * length:b * length + lens[b]] = r.tokens
+            slots[b * length:b * length + lens[b]] = np.asarray(t)[k // bs] * bs + k % bs
+            tab[b, :len(t)] = t
+        lidx[:bp] = np.arange(bp) * length + np.asarray(lens) - 1
+        inp.staging("query_start_loc", bp + 1)[:] = np.arange(bp + 1) * length
+        inp.staging("context_lens", bp)[:] = lens  # the prompts' (the CPU's mask zeroes each row's keys past them)
+        inp.staging("ssm_slots", bp)[:] = -1
+        inp.upload()
+        dv = inp.device_view
+        return ForwardBatch(
+            input_ids=dv("input_ids", n), positions=dv("positions", n), seq_ids=[r.seq_id for r in rows] + [-1] * (bp - len(rows)),
+            query_start_loc=dv("query_start_loc", bp + 1), context_lens=dv("context_lens", bp),
+            block_tables=inp.tables(bp, width, device=True), slot_mapping=dv("slot_mapping", n), ssm_slots=dv("ssm_slots", bp),
+            logits_indices=dv("logits_indices", bp), query_lens=[length] * bp, is_prefill=[True] * bp,
+            token_seq=dv("token_seq", n), token_qidx=dv("token_qidx", n), max_query_len=length, max_context_len=length,
+            num_pad=bp - len(rows), fresh_rows=True)

@@ -102,7 +102,8 @@ class Runner:
         self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
         self.exact_rows = exact_rows(self.device, model.lm_head.dtype)  # rows a step's products stay row-invariant
         cap = min(cfg.prefill_graph_tokens, self.inputs.max_tokens, self.max_context_width)  # a fresh prompt's prefill graphs
-        self.prefills = PrefillGraphs(self, cap) if cap and ssm is None and not self.row_exact else None
+        self.prefills = PrefillGraphs(self, cap, min(bucket_size(cfg.max_num_seqs), 8)) if cap and ssm is None and not self.row_exact else None
+        self.lone_prefill = self.prefills.fits if self.prefills is not None else None  # the scheduler's prefill_alone
         if torch.device(self.device).type == "cuda" and getattr(model, "rope", None) is not None:
             model.rope.tabulate(self.max_context_width, model.embed.dtype)  # RoPE rows gathered, not computed
 
@@ -248,9 +249,9 @@ class Runner:
         the next token. static False: eager (its logits are masked before acceptance). `masks` (a
         static batch, with static_masks): grammar mask words per real logits row and the closing bonus,
         applied in the graph before the argmax (StepResult.static.masked)."""
-        length = self.prefills.length(rows, static) if self.prefills is not None else None
-        if length is not None:  # a fresh prompt, padded: a graph per length (prefill_graph.py)
-            return self.prefills.run(rows[0], length)
+        shape = self.prefills.shape(rows, static) if self.prefills is not None else None
+        if shape is not None:  # fresh prompts, padded: a graph per (rows, length) (prefill_graph.py)
+            return self.prefills.run(rows, shape)
         batch, real = self.build(rows, static=static)
         if drafts is not None:
             place_drafts(batch, rows, drafts)

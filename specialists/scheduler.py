@@ -113,6 +113,8 @@ class Scheduler:
         self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
         self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
+        # lengths of a fresh prompt that prefills alone (a CUDA graph: specialists/prefill_graph.py); None: never
+        self.prefill_alone: Callable[[int], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -140,7 +142,9 @@ class Scheduler:
 
     def schedule(self, speculating: bool = False, admit: bool = True) -> ScheduledStep:
         """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
-        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's)."""
+        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). A lone fresh
+        prompt that prefill_alone takes runs without the decodes in a step that does not speculate (a
+        speculating step's chains start from the drafter's outputs of the step before, for every row)."""
         usable = self._usable(speculating)
         decodes = self._schedule_decodes()
         prefills: list[tuple[Sequence, list[int]]] = []
@@ -168,6 +172,12 @@ class Scheduler:
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached
+        if decodes and len(prefills) == 1 and self.prefill_alone is not None and not speculating:
+            seq, toks = prefills[0]
+            if len(toks) == len(seq.all_ids) and self.prefill_alone(len(toks)):  # fresh: nothing cached
+                for waits in decodes:  # the drafter's outputs a chain starts from are this step's: drafts resume
+                    waits.draft_ok = False  # after their next (plain) step rebuilds them (spec/speculator.py)
+                return ScheduledStep(prefills, [])  # the decodes wait a step: a prefill graph, not one eager mixed step
         return ScheduledStep(prefills, decodes)
 
     def _schedule_decodes(self) -> list[Sequence]:

@@ -43,28 +43,38 @@ def test_prefill_lengths() -> None:
         EngineOptions(prefill_graph_tokens=-1).resolve()
 
 
-def _prefill(engine: Engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The runner's step for a fresh prompt -> (last logits row, hidden states, the K of every layer it wrote)."""
-    kv = engine.kv
-    assert kv.add_sequence(999, prompt) == 0
-    kv.reserve(999, len(prompt))
-    res = engine.runner.run([BatchRow(999, prompt, True, -1)])
-    slots = torch.tensor(kv.slot_mapping(999, 0, len(prompt)))
-    k = kv.k.view(kv.k.shape[0], -1, *kv.k.shape[3:])[:, slots].float().cpu()
-    kv.free(999)
-    return res.logits.cpu(), res.hidden.float().cpu(), k
+def _prefill(engine: Engine, prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The runner's step for fresh prompts -> per prompt (its last logits row, hidden states, the K of
+    every layer it wrote)."""
+    kv, rows = engine.kv, []
+    for i, prompt in enumerate(prompts):
+        assert kv.add_sequence(900 + i, prompt) == 0
+        kv.reserve(900 + i, len(prompt))
+        rows.append(BatchRow(900 + i, prompt, True, -1))
+    res = engine.runner.run(rows)
+    out, t = [], 0
+    for i, prompt in enumerate(prompts):
+        slots = torch.tensor(kv.slot_mapping(900 + i, 0, len(prompt)))
+        k = kv.k.view(kv.k.shape[0], -1, *kv.k.shape[3:])[:, slots].float().cpu()
+        out.append((res.logits[i].cpu(), res.hidden[t:t + len(prompt)].float().cpu(), k))
+        t += len(prompt)
+        kv.free(900 + i)
+    assert res.hidden.shape[0] == t and res.logits.shape[0] == len(prompts)
+    return out
 
 
 def test_a_padded_prefill_computes_the_eager_prefills_logits_and_kv() -> None:
-    """Prompts of 5-300 tokens through the runner: the last logits row, every real token's hidden state
-    and the K the prompt wrote equal the eager prefill's to fp32 noise (the padding tokens after the
-    prompt change none of them; their K/V went to the scratch block); past the cap the step is eager."""
-    padded, eager = _engine("shell", 256), _engine("shell", 0)
-    for prompt in _prompts(1):
-        a, b = _prefill(padded, prompt), _prefill(eager, prompt)
-        for x, y in zip(a, b):
-            assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4, rtol=1e-4), (len(prompt), (x - y).abs().max())
-    assert padded.stats["padded_prefills"] == 5 and eager.stats["padded_prefills"] == 0  # 300 > 256: eager
+    """Prompts of 5-600 tokens through the runner, one per step, and three and two in one step (rows
+    padded to one length, buckets of 4 and 2 rows): the last logits row, every real token's hidden state and the K the
+    prompt wrote equal the eager prefill's to fp32 noise (the padding tokens after each prompt change
+    none of them; their K/V went to the scratch block); past the cap the step is eager."""
+    padded, eager = _engine("shell", 512), _engine("shell", 0)
+    steps = [[p] for p in _prompts(1, (5, 40, 127, 128, 129, 600))] + [_prompts(2, (5, 100, 61)), _prompts(3, (128, 17))]
+    for prompts in steps:
+        for a, b in zip(_prefill(padded, prompts), _prefill(eager, prompts)):
+            for x, y in zip(a, b):
+                assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4, rtol=1e-4), (len(prompts), (x - y).abs().max())
+    assert padded.stats["padded_prefills"] == 7 and eager.stats["padded_prefills"] == 0  # 600 > 512: eager
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
@@ -80,7 +90,8 @@ def test_greedy_tokens_after_a_padded_prefill_equal_the_eager_engines(mode: str)
 
 
 def test_steps_that_are_no_fresh_prefill_stay_eager() -> None:
-    """A prefix hit (the prompt's blocks cached), two prompts in one step, and a hybrid: not padded."""
+    """A prefix hit (the prompt's blocks cached), prompts past the cap together (2 x 512 > 512), and a
+    hybrid: not padded; two short prompts in one step: padded rows."""
     prompts = _prompts(2, (40, 70))
     llama = _engine("shell", 512)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -88,31 +99,97 @@ def test_steps_that_are_no_fresh_prefill_stay_eager() -> None:
     assert llama.stats["padded_prefills"] == 1
     assert llama.generate([prompts[0] * 2], params)[0].token_ids == first  # a prefix hit: eager over the rest
     assert llama.stats["padded_prefills"] == 1 and llama.stats["prefix_hit_tokens"] > 0
-    llama.generate(prompts, params)  # one step of two prefills
-    assert llama.stats["padded_prefills"] == 1
+    llama.generate([p[::-1] for p in prompts], params)  # one step of two fresh prompts: rows of 128 (cap 512)
+    assert llama.stats["padded_prefills"] == 2
+    llama.generate([p[::-1] * 4 for p in prompts], params)  # 160 and 280 tokens: 2 x 512 > 512
+    assert llama.stats["padded_prefills"] == 2
     hybrid = _engine("cpp", 512)
     hybrid.generate([prompts[1]], params)
     assert hybrid.stats["padded_prefills"] == 0
 
 
+def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
+               during: str | None = None) -> tuple[list[list[int]], int]:
+    """prompts start together; after 3 steps the `late` ones arrive together (the steps until they are
+    prefilled under policy mode `during`, the engine's own mode after) -> (every request's tokens, the
+    number of rows of the step that prefilled them: on a GPU a step decoded ahead may come first)."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+
+    def step() -> list:
+        outs = engine.step()
+        done.update((o.request_id, o.token_ids) for o in outs if o.finished)
+        return outs
+
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(3):
+        step()
+    new = [engine.add_request(p, params) for p in late]
+    mode = engine.gate.policy.mode
+    if during is not None:
+        engine.set_policy(SpeculationPolicy(mode=during, num_speculative_tokens=3))
+    outs = step()
+    while not any(o.request_id in new for o in outs):
+        outs = step()
+    engine.set_policy(SpeculationPolicy(mode=mode, num_speculative_tokens=3))
+    while engine.has_unfinished():
+        step()
+    ids += new
+    arrival_rows = len(outs)
+    engine.kv.check_invariants()
+    return [done[i] for i in ids], arrival_rows
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None:
+    """A lone fresh prompt that arrives while others decode prefills in a step of its own (a graph on a
+    GPU, where the mixed step would run eagerly); the decodes wait that one step. Two prompts arriving
+    together, a prefix hit, or a speculating step keep the mixed step. A speculating engine whose
+    arrival step does not speculate (a switch) drafts again after it. Greedy tokens equal the eager engine's."""
+    a, b, c, d = _prompts(5, (30, 50, 40, 90))
+    padded, eager = _engine("shell", 256, mode), _engine("shell", 0, mode)
+    (toks, rows), (ref, ref_rows) = _staggered(padded, [a, b], [c]), _staggered(eager, [a, b], [c])
+    assert toks == ref and (rows, ref_rows) == ((1, 3) if mode == "off" else (3, 3))
+    if mode == "on":  # the arrival step plain: alone; the decodes speculate again after a plain step
+        drafted = padded.totals.as_dict()["drafted"]
+        fresh = [p[::-1] for p in (a, b, c)]  # no prefix hits of the run before
+        (toks, rows), (ref, _) = (_staggered(e, fresh[:2], fresh[2:], "off") for e in (padded, eager))
+        assert toks == ref and rows == 1 and padded.totals.as_dict()["drafted"] > drafted
+    (toks, rows), (ref, _) = _staggered(padded, [a], [b[::-1], c[::-1]]), _staggered(eager, [a], [b[::-1], c[::-1]])
+    assert toks == ref and rows == 3  # two arrivals: one mixed step
+    for e in (padded, eager):  # d's blocks cached (and, speculating, marked as holding the drafter's entries)
+        e.generate([d], SamplingParams(max_tokens=4, ignore_eos=True))
+    hits = padded.stats["prefix_hit_tokens"]
+    other = [t + 1 for t in a]  # a prompt not seen before
+    toks, rows = _staggered(padded, [other], [d[:80] + [7]])  # a prefix hit of d's 5 blocks: mixed
+    assert padded.stats["prefix_hit_tokens"] == hits + 80 and rows == 2
+    assert toks == _staggered(eager, [other], [d[:80] + [7]])[0]
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs: CANTATA_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.dtype) -> None:
-    """On a GPU: the warm-up captures every length up to the cap; a prompt of each length replays its
-    graph (no new capture); greedy tokens equal the eager engine's in fp32 and speculation's output
-    equals plain decoding's in bf16 (both prefill through the graphs)."""
+    """On a GPU: the warm-up captures every shape up to the cap (one prompt of each length, several
+    rows of the shorter ones); prompts alone and two together replay them (no new capture); speculative
+    output equals plain output (another engine: no prefix hits), both prefilled through the graphs, and
+    in fp32 equals the eager engine's."""
     padded = _engine("shell", 512, "on", dtype)
     graphs = padded.runner.graphs
     prefills = lambda: [key for key in graphs.keys() if key[0] == "prefill"]  # noqa: E731
-    assert padded.runner.capture_prefills() == 3 and prefills() == [("prefill", n) for n in (128, 256, 512)]
+    shapes = [(1, 128), (1, 256), (1, 512), (2, 128), (2, 256), (4, 128)]  # max_num_seqs 4, cap 512 tokens
+    assert padded.runner.capture_prefills() == 6 and prefills() == [("prefill", *s) for s in shapes]
     assert padded.runner.capture_prefills() == 0  # captured once
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = _prompts(3, (5, 127, 200, 511))
-    spec = [padded.generate([p], params)[0].token_ids for p in prompts]
-    assert len(prefills()) == 3 and padded.stats["padded_prefills"] == 4  # replayed: no capture in a request
-    padded.set_policy(SpeculationPolicy(mode="off"))
-    assert [padded.generate([p], params)[0].token_ids for p in prompts] == spec
+    together = [p[::-1] for p in prompts[:2]]  # rows (2, 128)
+
+    def run(engine: Engine) -> list[list[int]]:
+        return [engine.generate([p], params)[0].token_ids for p in prompts] + [o.token_ids for o in engine.generate(together, params)]
+
+    spec = run(padded)
+    assert len(prefills()) == 6 and padded.stats["padded_prefills"] == 5  # replayed: no capture in a request
+    plain = _engine("shell", 512, "off", dtype)
+    assert run(plain) == spec and plain.stats["padded_prefills"] == 5
     if dtype == torch.float32:
-        eager = _engine("shell", 0, "off", dtype)
-        assert [eager.generate([p], params)[0].token_ids for p in prompts] == spec
+        assert run(_engine("shell", 0, "off", dtype)) == spec
     padded.kv.check_invariants()

@@ -69,6 +69,9 @@ class ForwardBatch:
     # a row's result is then the same bit for bit in any step, which int8 products with bf16
     # activations need for speculation to stay exact (specialists/quantize.py); CPU only
     row_exact: bool = False
+    # every row a prompt with nothing cached, padded to max_query_len (specialists/prefill_graph.py): each
+    # attends over its own k and v (ops/attention.attends_own_kv), the rows laid out max_query_len apart
+    fresh_rows: bool = False
 
     @property
     def num_tokens(self) -> int:

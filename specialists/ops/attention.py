@@ -79,7 +79,7 @@ def paged_attention_torch(
     B, max_q, max_ctx = batch.num_seqs, batch.max_query_len, batch.max_context_len
     own = fresh if fresh is not None and attends_own_kv(batch) and k_cache_layer.dtype == q.dtype else None
     k, v, invalid, mask = _context_kv(k_cache_layer, v_cache_layer, batch, q.device, own)  # [B, max_ctx, H_kv, D]
-    if B > 1 or batch.static:  # one sequence: every gathered slot up to max_ctx is its own context
+    if (B > 1 or batch.static) and invalid is not None:  # one sequence (or own k/v on CUDA): nothing to zero
         if k.device.type == "cpu" and not batch.static:  # zero just each row's tail (~6% faster at batch 8; lengths cost no sync here)
             for b, n in enumerate(batch.context_lens.tolist()):
                 if n < max_ctx:
@@ -99,13 +99,13 @@ def paged_attention_torch(
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
     if max_q == 1:  # decode: one token per sequence, in sequence order
         qp = q[:, None]
-    elif B == 1 or batch.static:  # one sequence (a verify, a prefill), or rows of one length: in order
+    elif B == 1 or batch.static or batch.fresh_rows:  # one sequence (a verify, a prefill), or rows of one length: in order
         qp = q.view(B, max_q, hq, d)
     else:
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
 
-    if q.is_cuda and B == 1 and max_q > 1 and batch.is_prefill[0]:  # a prefill's new tokens end its context
+    if q.is_cuda and (B == 1 or batch.fresh_rows) and max_q > 1 and batch.is_prefill[0]:  # a prefill's new tokens end its context
         mask = causal_lower_right(max_q, max_ctx)  # flash attention takes it; a tensor mask it refuses
         # (a verify keeps the tensor mask, the path a decode of the same sequence takes)
     out = sdpa(
@@ -118,7 +118,7 @@ def paged_attention_torch(
     )  # [B, H_q, max_q, D]
     if max_q == 1:
         return out[:, :, 0]  # [T = B, H_q, D]
-    if B == 1 or batch.static:
+    if B == 1 or batch.static or batch.fresh_rows:
         return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
 
@@ -201,11 +201,12 @@ def _gather(pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def attends_own_kv(batch: ForwardBatch) -> bool:
-    """A one-sequence prefill with nothing cached before it (its new tokens are its whole context), not
-    static and not row-exact (those rows keep the pool's layout): paged_attention_torch takes its own k
-    and v (`fresh`) instead of gathering them back from the pool."""
-    return (batch.num_seqs == 1 and batch.max_query_len == batch.max_context_len and not batch.static
-            and not batch.row_exact)
+    """A one-sequence prefill with nothing cached before it (its new tokens are its whole context), or
+    rows of such prompts padded to one length (batch.fresh_rows), not static and not row-exact (those
+    rows keep the pool's layout): paged_attention_torch takes its own k and v (`fresh`) instead of
+    gathering them back from the pool."""
+    return ((batch.num_seqs == 1 or batch.fresh_rows) and batch.max_query_len == batch.max_context_len
+            and not batch.static and not batch.row_exact)
 
 
 def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch: ForwardBatch, device: torch.device,
@@ -215,12 +216,14 @@ def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch:
     metadata's mask of slots past each context and causal mask (_metadata). On CUDA `own` needs
     neither (flash attention's causal bias): no block table or context length is read, which a
     prefill graph's padded length (specialists/prefill_graph.py) relies on."""
-    if own is not None and device.type == "cuda":
-        return own[0][None], own[1][None], None, None
+    B, max_ctx = batch.num_seqs, batch.max_context_len
+    if own is not None:
+        own = own[0].view(B, max_ctx, *own[0].shape[1:]), own[1].view(B, max_ctx, *own[1].shape[1:])
+        if device.type == "cuda":
+            return own[0], own[1], None, None
     flat, invalid, mask = _metadata(batch, k_cache_layer.shape[1], device)
     if own is not None:
-        return own[0][None], own[1][None], invalid, mask
-    B, max_ctx = batch.num_seqs, batch.max_context_len
+        return own[0], own[1], invalid, mask
     hkv, d = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
     v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
