@@ -85,6 +85,20 @@ def test_spec_result_line(tmp_path: Path, capsys) -> None:
     assert row["spec_k"] == 3 and row["acceptance"] == "greedy" and row["policy"] == "on"
 
 
+def test_prefill_graph_tokens_pads_fresh_prompts_and_the_row_says_so(capsys) -> None:
+    """--prefill-graph-tokens N: fresh prompts prefill padded (on a GPU as graphs; on the CPU the same
+    padded forward), the row records N and how many steps ran so; the CPU's default is 0, every prefill
+    eager. Speculative output equals plain output either way."""
+    args = ["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "2", "--max-new-tokens", "8", "--skip-hf",
+            "--spec-k", "2", "--batch-size", "2"]
+    assert main(args + ["--prefill-graph-tokens", "512"]) == 0
+    padded, _ = last_json(capsys)
+    assert padded["prefill_graph_tokens"] == 512 and padded["padded_prefills"] > 0 and padded["identical_spec"] == 1.0
+    assert main(args) == 0
+    eager, _ = last_json(capsys)
+    assert eager["prefill_graph_tokens"] == 0 and eager["padded_prefills"] == 0 and eager["identical_spec"] == 1.0
+
+
 def test_spec_engine_under_the_auto_policy(tmp_path: Path, capsys) -> None:
     """--policy auto: the speculative engine runs under the gate (a large batch falls back to plain
     steps there), still exact, and the row says which policy ran."""
