@@ -45,6 +45,7 @@ class Speculator:
         self.vocab_size = runner.model.lm_head.shape[0]  # the logits' width: grammar masks cover it
         self._draft_out: torch.Tensor | None = None  # [T_prev, d] the last rebuild's entry outputs
         self._draft_index: dict[int, int] = {}  # seq_id -> row of _draft_out at its committed end
+        self._carried: dict[int, int] = {}  # the same for sequences a step of prompts alone left waiting (_rebuild)
         # drafting ahead (static greedy steps): right after a verify the device drafts the next step from
         # its own acceptance, while the host commits; the next step uses those drafts if its sequences
         # and their committed lengths are the ones assumed. The chain then writes its chained entries
@@ -293,8 +294,17 @@ class Speculator:
                 plan.k, st.rows, st.width)
 
     def _rebuild(self, plan: StepPlan, res: Any, tokens: torch.Tensor) -> None:
-        """Drafter entries for every token of the batch: (its hidden, the token after it)."""
-        self._draft_out = self.drafter.rebuild(res.batch, res.hidden, self._next_tokens(plan, res, tokens))
+        """Drafter entries for every token of the batch: (its hidden, the token after it). A step of
+        prompts alone while others wait (specialists/scheduler.prefill_alone) keeps the waiting ones'
+        last outputs after its own, so that their next chains start where they left off."""
+        out = self.drafter.rebuild(res.batch, res.hidden, self._next_tokens(plan, res, tokens))
+        here = {r.seq_id for r in plan.rows}
+        wait = [s for s in self._draft_index if s not in here] if all(r.prefill for r in plan.rows) else []
+        if wait and self._draft_out is not None:
+            rows = device_ints([self._draft_index[s] for s in wait], self.device)
+            self._carried = {s: out.shape[0] + i for i, s in enumerate(wait)}
+            out = torch.cat([out, self._draft_out[rows].to(out.dtype)])
+        self._draft_out = out
 
     def _next_tokens(self, plan: StepPlan, res: Any, tokens: torch.Tensor) -> torch.Tensor:
         """[T]: the token after each token of the batch (a prompt shifted by one, then the sampled one;
@@ -350,7 +360,7 @@ class Speculator:
         """Keeps `kept[b]` run tokens of row b (1 <= kept <= len(run), or 0 for a finished row that
         commits nothing more): KV and SSM state of exactly the committed tokens, the rest rolled back."""
         slots, counts = [], []
-        self._draft_index.clear()
+        self._draft_index, self._carried = (dict(self._carried) if rebuilt else {}), {}
         for r, drafts, m in zip(rows, out.drafts, kept):
             if r.prefill:
                 self.kv.commit(r.seq_id, r.tokens, len(r.tokens))

@@ -143,8 +143,8 @@ class Scheduler:
     def schedule(self, speculating: bool = False, admit: bool = True) -> ScheduledStep:
         """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
         hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). A lone fresh
-        prompt that prefill_alone takes runs without the decodes in a step that does not speculate (a
-        speculating step's chains start from the drafter's outputs of the step before, for every row)."""
+        prompt that prefill_alone takes runs without the decodes (a speculating step's rebuild keeps the
+        waiting sequences' chain starts: spec/speculator.py's _rebuild)."""
         usable = self._usable(speculating)
         decodes = self._schedule_decodes()
         prefills: list[tuple[Sequence, list[int]]] = []
@@ -172,11 +172,11 @@ class Scheduler:
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached
-        if decodes and len(prefills) == 1 and self.prefill_alone is not None and not speculating:
+        if decodes and len(prefills) == 1 and self.prefill_alone is not None:
             seq, toks = prefills[0]
             if len(toks) == len(seq.all_ids) and self.prefill_alone(len(toks)):  # fresh: nothing cached
-                for waits in decodes:  # the drafter's outputs a chain starts from are this step's: drafts resume
-                    waits.draft_ok = False  # after their next (plain) step rebuilds them (spec/speculator.py)
+                for waits in decodes if not speculating else ():  # a step without the drafter's rebuild: the outputs
+                    waits.draft_ok = False  # their chains start from go (spec/speculator.py); drafts resume after a rebuild
                 return ScheduledStep(prefills, [])  # the decodes wait a step: a prefill graph, not one eager mixed step
         return ScheduledStep(prefills, decodes)
 

@@ -143,14 +143,15 @@ def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None:
     """A lone fresh prompt that arrives while others decode prefills in a step of its own (a graph on a
-    GPU, where the mixed step would run eagerly); the decodes wait that one step. Two prompts arriving
-    together, a prefix hit, or a speculating step keep the mixed step. A speculating engine whose
-    arrival step does not speculate (a switch) drafts again after it. Greedy tokens equal the eager engine's."""
+    GPU, where the mixed step would run eagerly); the decodes wait that one step (speculating: their
+    next chains start from the drafter's outputs kept from before it). Two prompts arriving together or
+    a prefix hit keep the mixed step. A speculating engine whose arrival step does not speculate (a
+    switch) drafts again after it. Greedy tokens equal the eager engine's."""
     a, b, c, d = _prompts(5, (30, 50, 40, 90))
     padded, eager = _engine("shell", 256, mode), _engine("shell", 0, mode)
     (toks, rows), (ref, ref_rows) = _staggered(padded, [a, b], [c]), _staggered(eager, [a, b], [c])
-    assert toks == ref and (rows, ref_rows) == ((1, 3) if mode == "off" else (3, 3))
-    if mode == "on":  # the arrival step plain: alone; the decodes speculate again after a plain step
+    assert toks == ref and (rows, ref_rows) == (1, 3)
+    if mode == "on":  # the arrival step plain (no rebuild): alone; the decodes speculate again after a plain step
         drafted = padded.totals.as_dict()["drafted"]
         fresh = [p[::-1] for p in (a, b, c)]  # no prefix hits of the run before
         (toks, rows), (ref, _) = (_staggered(e, fresh[:2], fresh[2:], "off") for e in (padded, eager))
@@ -159,6 +160,19 @@ def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None
     assert toks == ref and rows == 3  # two arrivals: one mixed step
     for e in (padded, eager):  # d's blocks cached (and, speculating, marked as holding the drafter's entries)
         e.generate([d], SamplingParams(max_tokens=4, ignore_eos=True))
+    if mode == "on":  # the waiting sequences' chain starts survive the arrival's step bit for bit
+        spec, params = padded.speculator, SamplingParams(max_tokens=40, ignore_eos=True)
+        ids = [padded.add_request(p, params) for p in ([t + 2 for t in a], [t + 2 for t in b])]
+        for _ in range(3):
+            padded.step()
+        before = {sid: spec._draft_out[i].clone() for sid, i in spec._draft_index.items()}
+        padded.add_request([t + 2 for t in c], params)
+        assert len(padded.step()) == 1 and set(before) <= set(spec._draft_index)
+        assert all(torch.equal(spec._draft_out[spec._draft_index[sid]], row) for sid, row in before.items())
+        for rid in ids:
+            padded.abort(rid)
+        while padded.has_unfinished():
+            padded.step()
     hits = padded.stats["prefix_hit_tokens"]
     other = [t + 1 for t in a]  # a prompt not seen before
     toks, rows = _staggered(padded, [other], [d[:80] + [7]])  # a prefix hit of d's 5 blocks: mixed
