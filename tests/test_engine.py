@@ -342,19 +342,22 @@ def test_time_gate_falls_back_where_speculation_cannot_pay(engines) -> None:
                                    auto=AutoGating(window=12, cooldown_s=0.02, min_acceptance=0.0, min_speedup=target))
         eng = engines.get("build", fresh=True, policy=policy, draft_min_confidence=0.0)
         prompt = prompt_ids("build", eng.tokenizer, 1, 64, skip=1)
-        reasons = []
+        reasons, figures = [], []
         rid = eng.add_request(prompt[0], greedy(96))
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
                     outs[target] = o.token_ids
             reasons.append(eng.gate.snapshot()["reason"])
+            figures.append(eng.gate.speedup(1))
         assert "baseline" in reasons, reasons
         assert ("slow" in reasons) == (target > 1), reasons  # 9x never happens; 0.2x always does
         if target < 1:
             # back on after the baseline, and it stays on (but for its refreshes: gate.REFRESH_FIRST)
             assert "probe" in reasons[reasons.index("baseline"):] and reasons[-1] in ("probe", "baseline"), reasons
-        assert eng.gate.speedup(1) is not None
+        # the gate measured both sides (a run may end just after a refresh dropped the plain figure for a
+        # fresh one, "baseline" above: then speedup() is None at the end; ~1 run in 10 on a 2-core CPU)
+        assert any(f is not None for f in figures), reasons
         del rid
     plain = engines.get("build", policy=SpeculationPolicy(mode="off")).generate([prompt[0]], greedy(96))[0].token_ids
     assert outs[9.0] == outs[0.2] == plain
