@@ -298,8 +298,10 @@ class Speculator:
         prompts alone while others wait (specialists/scheduler.prefill_alone) keeps the waiting ones'
         last outputs after its own, so that their next chains start where they left off."""
         out = self.drafter.rebuild(res.batch, res.hidden, self._next_tokens(plan, res, tokens))
-        here = {r.seq_id for r in plan.rows}
-        wait = [s for s in self._draft_index if s not in here] if all(r.prefill for r in plan.rows) else []
+        wait: list[int] = []
+        if all(r.prefill for r in plan.rows):  # prompts alone: the sequences not in the step wait
+            here = {r.seq_id for r in plan.rows}
+            wait = [s for s in self._draft_index if s not in here]
         if wait and self._draft_out is not None:
             rows = device_ints([self._draft_index[s] for s in wait], self.device)
             self._carried = {s: out.shape[0] + i for i, s in enumerate(wait)}

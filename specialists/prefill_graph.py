@@ -33,12 +33,13 @@ import numpy as np
 import torch
 
 from specialists.models.batch import ForwardBatch, SeqStep
-from specialists.staging import BUCKETS, Layout, StaticInputs, bucket_size, stage_rows
+from specialists.staging import BUCKETS, StaticInputs, bucket_size
 from specialists.step_result import StepResult
 from state.transfer import device_ints
 
 __all__ = ["PREFILL_LENGTHS", "PrefillGraphs", "prefill_length"]
 
+_TOKEN_VIEWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qidx")  # per token, the prompt's first
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the first is past decode_fused.MAX_ROWS (64)
 
 
@@ -86,11 +87,13 @@ class PrefillGraphs:
         bp, length = shape
         tables = [self.runner.kv.block_table(r.seq_id) for r in rows]
         self.steps += 1
-        if bp == 1:
-            real, padded = self._build(rows[0], length, tables[0])
-            hidden, logits = self._replay(padded)
-            return StepResult(logits, hidden[: real.num_tokens], real)
-        hidden, logits = self._replay(self._build_rows(rows, bp, length, tables))
+        padded = self._build(rows, bp, length, tables)
+        hidden, logits = self._replay(padded)
+        if bp == 1:  # the prompt leads its row: its own batch is the padded one's first T tokens, the same buffers
+            T = len(rows[0].tokens)
+            real = replace(padded, **{f: getattr(padded, f)[:T] for f in _TOKEN_VIEWS}, query_lens=[T], max_query_len=T,
+                           max_context_len=T, fresh_rows=False)
+            return StepResult(logits, hidden[:T], real)
         dev = self.runner.device
         real = ForwardBatch.build([SeqStep(r.seq_id, list(r.tokens), 0, t) for r, t in zip(rows, tables)],
                                   self.runner.kv.block_size, dev)
@@ -106,7 +109,7 @@ class PrefillGraphs:
             return 0
         for bp, length in self.shapes():
             if not runner.graphs.has(("prefill", bp, length)):
-                self._replay(self._build(row, length, scratch)[1] if bp == 1 else self._build_rows([row] * bp, bp, length, [scratch] * bp))
+                self._replay(self._build([row] * bp, bp, length, [scratch] * bp))
                 n += 1
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
         return n
@@ -125,32 +128,11 @@ class PrefillGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return runner.graphs.run(("prefill", batch.num_seqs, batch.max_query_len), forward, self._pool)
 
-    def _build(self, row: Any, length: int, table: list[int]) -> tuple[ForwardBatch, ForwardBatch]:
-        """(the prompt's batch, the padded one over the same buffers) for a prefill of row's tokens at 0."""
-        runner = self.runner
-        inp, bs = runner.inputs, runner.kv.block_size
-        inp.wait_upload()
-        T = len(row.tokens)
-        # the table as wide as the padded length (its columns past the prompt's blocks are zeros: the CPU's mask reads it)
-        lay = Layout(B=1, T=T, Bp=1, Tp=length, q_pad=T, width=max(len(table), -(-length // bs)), static=False)
-        inp.ensure(length, 1, lay.width)
-        n_logits = stage_rows(inp, [row], [0], [table], lay, bs)
-        ids, pos, slots, tseq, tq, _ = (inp.staging(f, length) for f in StaticInputs.TOKEN_FIELDS)
-        pad = np.arange(T, length)
-        ids[T:], pos[T:], tseq[T:], tq[T:] = 0, pad, 0, pad
-        slots[T:] = runner.kv.scratch_block * bs + pad % bs
-        inp.upload()
-        real = runner._views(lay, 1, T, n_logits, [row.seq_id], [T], [True], T)
-        dv = inp.device_view
-        padded = replace(real, input_ids=dv("input_ids", length), positions=dv("positions", length),
-                         slot_mapping=dv("slot_mapping", length), token_seq=dv("token_seq", length),
-                         token_qidx=dv("token_qidx", length), query_lens=[length], max_query_len=length,
-                         max_context_len=length)
-        return real, padded
-
-    def _build_rows(self, rows: list, bp: int, length: int, tables: list[list[int]]) -> ForwardBatch:
-        """The padded batch of several fresh prompts: row b's tokens at b * length, the padding after each
-        (and rows past the prompts: all padding) in the scratch block."""
+    def _build(self, rows: list, bp: int, length: int, tables: list[list[int]]) -> ForwardBatch:
+        """The padded batch of fresh prompts: row b's tokens at b * length, the padding after each (and
+        rows past the prompts: all padding) in the scratch block; block tables as wide as the padded
+        length (zeros past each prompt's blocks: the CPU's mask reads them), context lengths and
+        query starts the prompts' own (the graph reads neither)."""
         runner = self.runner
         inp, bs, n = runner.inputs, runner.kv.block_size, bp * length
         inp.wait_upload()
@@ -169,7 +151,7 @@ class PrefillGraphs:
             slots[b * length:b * length + lens[b]] = np.asarray(t)[k // bs] * bs + k % bs
             tab[b, :len(t)] = t
         lidx[:bp] = np.arange(bp) * length + np.asarray(lens) - 1
-        inp.staging("query_start_loc", bp + 1)[:] = np.arange(bp + 1) * length
+        inp.staging("query_start_loc", bp + 1)[:] = np.concatenate([[0], np.cumsum(lens)])
         inp.staging("context_lens", bp)[:] = lens  # the prompts' (the CPU's mask zeroes each row's keys past them)
         inp.staging("ssm_slots", bp)[:] = -1
         inp.upload()

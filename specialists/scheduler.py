@@ -175,8 +175,9 @@ class Scheduler:
         if decodes and len(prefills) == 1 and self.prefill_alone is not None:
             seq, toks = prefills[0]
             if len(toks) == len(seq.all_ids) and self.prefill_alone(len(toks)):  # fresh: nothing cached
-                for waits in decodes if not speculating else ():  # a step without the drafter's rebuild: the outputs
-                    waits.draft_ok = False  # their chains start from go (spec/speculator.py); drafts resume after a rebuild
+                if not speculating:  # no rebuild to keep the drafter outputs their chains start from (spec/speculator.py):
+                    for waits in decodes:  # they draft again after a step that rebuilds them
+                        waits.draft_ok = False
                 return ScheduledStep(prefills, [])  # the decodes wait a step: a prefill graph, not one eager mixed step
         return ScheduledStep(prefills, decodes)
 

@@ -218,12 +218,9 @@ def _context_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, batch:
     prefill graph's padded length (specialists/prefill_graph.py) relies on."""
     B, max_ctx = batch.num_seqs, batch.max_context_len
     if own is not None:
-        own = own[0].view(B, max_ctx, *own[0].shape[1:]), own[1].view(B, max_ctx, *own[1].shape[1:])
-        if device.type == "cuda":
-            return own[0], own[1], None, None
+        k, v = (t.view(B, max_ctx, *t.shape[1:]) for t in own)
+        return (k, v, None, None) if device.type == "cuda" else (k, v, *_metadata(batch, k_cache_layer.shape[1], device)[1:])
     flat, invalid, mask = _metadata(batch, k_cache_layer.shape[1], device)
-    if own is not None:
-        return own[0], own[1], invalid, mask
     hkv, d = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k = _gather(k_cache_layer, flat, "attn.k").reshape(B, -1, hkv, d)[:, :max_ctx]
     v = _gather(v_cache_layer, flat, "attn.v").reshape(B, -1, hkv, d)[:, :max_ctx]
