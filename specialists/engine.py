@@ -47,7 +47,7 @@ from specialists.wire import GrammarSpec
 from specialists.scheduler import Scheduler, Sequence, Status
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
-from state.ssm_snapshots import SSMSnapshots, default_capacity
+from state.ssm_snapshots import SSMSnapshots, pool_shape
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,12 @@ class Engine:
         self.model, self.tokenizer, self.cfg, self.device = model, tokenizer, cfg, cfg.device
         hybrid = model.num_mamba_layers > 0
         self.ssm = SSMCache(model.ssm_cache_config(cfg.max_num_seqs)) if hybrid else None
-        snaps = 0  # a hybrid's prefix hits need its Mamba state at the hit's end (state/ssm_snapshots.py)
-        if hybrid and cfg.enable_prefix_cache:
-            snaps = cfg.ssm_snapshots if cfg.ssm_snapshots is not None else default_capacity(self.ssm.config, cfg.num_blocks)
+        snaps, stride = pool_shape(self.ssm.config, cfg.num_blocks, cfg.block_size, cfg.ssm_snapshots, cfg.ssm_snapshot_stride) \
+            if hybrid and cfg.enable_prefix_cache else (0, 0)  # a hybrid's prefix hits need its Mamba state (ssm_snapshots.py)
         prefix = cfg.enable_prefix_cache and (not hybrid or snaps > 0)
         self.kv = KVCache(model.kv_cache_config(cfg.num_blocks, cfg.block_size, prefix))
-        self.snapshots = SSMSnapshots(self.ssm, self.kv, snaps) if hybrid and prefix else None
+        self.snapshots = SSMSnapshots(self.ssm, self.kv, snaps, stride) if hybrid and prefix else None
+        cfg = replace(cfg, ssm_snapshot_stride=stride if self.snapshots is not None else 0)  # 0: none (the runner's padded prefills)
         self.scheduler = Scheduler(self.kv, self.ssm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler.snapshots = self.snapshots
         cfg, self.quantized = quantize.apply(model, cfg)  # "auto" resolved; weights with an int8 copy

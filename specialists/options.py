@@ -36,6 +36,9 @@ class EngineOptions:
     num_blocks: int | None = None  # None: room for max_num_seqs full-length sequences
     enable_prefix_cache: bool = True  # hybrids too: with Mamba state snapshots at block boundaries
     ssm_snapshots: int | None = None  # hybrids: snapshot pool size (None: 256 MiB worth; 0: no prefix cache for hybrids)
+    # hybrids: tokens between two snapshots, a multiple of block_size (None: state.ssm_snapshots.default_stride,
+    # the block size for small states, coarser where a snapshot is large: 256 tokens at bamba-1b's 24 MiB)
+    ssm_snapshot_stride: int | None = None
     max_num_batched_tokens: int = 4096
     check_invariants: bool = True  # assert KV pointer == committed length for every sequence, every step
     load_mtp: bool = True  # load the checkpoint's MTP drafter (when the policy may speculate)
@@ -47,7 +50,7 @@ class EngineOptions:
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
     decode_ahead: bool | None = None  # launch the next plain multi-step decode before reading this one (None: with CUDA graphs)
-    # fresh prompts' prefills (nothing cached, the step's only rows, attention-only model) padded to a length
+    # fresh prompts' prefills (nothing cached, the step's only rows) padded to a length
     # of specialists/prefill_graph.PREFILL_LENGTHS, up to this many tokens in all, a CUDA graph per (rows, length)
     # (None: 2048 where CUDA graphs run in half precision, else 0, off; on a CPU it only pads: for tests)
     prefill_graph_tokens: int | None = None
@@ -94,12 +97,15 @@ class EngineOptions:
             raise OptionsError(f"staged_state_mib must be > 0, got {self.staged_state_mib}")
         if self.ssm_snapshots is not None and self.ssm_snapshots < 0:
             raise OptionsError(f"ssm_snapshots must be >= 0, got {self.ssm_snapshots}")
+        stride = self.ssm_snapshot_stride
+        if stride is not None and (stride <= 0 or stride % self.block_size):
+            raise OptionsError(f"ssm_snapshot_stride must be a positive multiple of block_size {self.block_size}, got {stride}")
         if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
             raise OptionsError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         return EngineConfig(
             device=dev, dtype=self.dtype, max_num_seqs=self.max_num_seqs, max_model_len=limit,
             block_size=self.block_size, num_blocks=num_blocks, enable_prefix_cache=self.enable_prefix_cache,
-            ssm_snapshots=self.ssm_snapshots,
+            ssm_snapshots=self.ssm_snapshots, ssm_snapshot_stride=stride,
             max_num_batched_tokens=self.max_num_batched_tokens, check_invariants=self.check_invariants,
             draft_min_confidence=self.draft_min_confidence or 0.0, pad_batches=pad, static_batches=static,
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
@@ -123,6 +129,7 @@ class EngineConfig:
     num_blocks: int
     enable_prefix_cache: bool
     ssm_snapshots: int | None  # None: state.ssm_snapshots.default_capacity (the model's state size decides)
+    ssm_snapshot_stride: int | None  # None: state.ssm_snapshots.default_stride (the engine resolves it)
     max_num_batched_tokens: int
     check_invariants: bool
     draft_min_confidence: float  # 0.0: off

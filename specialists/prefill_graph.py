@@ -2,18 +2,20 @@
 
 An eager prefill runs at the host's pace: SmolLM2-135M's 30 layers are ~380 kernels at ~25-50 us of
 host time each, so a 142-token prefill took 11-19 ms on an H100 of which 1.9 ms on the device
-(bench/RESULTS.md, session 24). A prefill with nothing cached before it, alone in its step, on an
-attention-only model (a hybrid's Mamba state would run on through the padding) is padded here to the
-next length of PREFILL_LENGTHS and replayed as one graph per length; a step of several such prompts
-(and nothing else) as one graph per (row bucket, length), each prompt a row padded to the longest's
-length:
+(bench/RESULTS.md, session 24); a hybrid's (bamba-1b) ~1,560 kernels took 45 ms. A prefill with nothing
+cached before it, alone in its step, is padded here to the next length of PREFILL_LENGTHS and replayed
+as one graph per length; a step of several such prompts (and nothing else) as one graph per (row
+bucket, length), each prompt a row padded to the longest's length:
 
 - the padding tokens come after the prompt, so causal attention keeps them out of the prompt's rows,
   and they write their K/V into the KV cache's scratch block (never read);
 - every layer attends over the step's own k and v (ops/attention.attends_own_kv: flash attention
   with the causal bias, no block table, no context lengths), and the products run on the torch path
   (the padded length is past decode_fused.MAX_ROWS);
-- the graph computes the logits of the prompt's last token (its index read on the device).
+- the graph computes the logits of the prompt's last token (its index read on the device);
+- a hybrid's Mamba layers run the padding with dt = 0, which leaves the state as the prompt left it,
+  write each row's states to its slot in the graph, and put the states on the prefix cache's snapshot
+  grid into `held` (ops/mamba2_padded.py), which `run` hands to the SSM cache for the step's snapshots.
 
 The padded prefill's products have more rows than the prompt, so in half precision its results may
 differ in the last bits from an eager prefill of the same prompt (cuBLAS picks its kernels by the
@@ -26,7 +28,7 @@ runner.static).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,7 +39,7 @@ from specialists.staging import BUCKETS, StaticInputs, bucket_size
 from specialists.step_result import StepResult
 from state.transfer import device_ints
 
-__all__ = ["PREFILL_LENGTHS", "PrefillGraphs", "prefill_length"]
+__all__ = ["PREFILL_LENGTHS", "HeldStates", "PrefillGraphs", "prefill_length"]
 
 _TOKEN_VIEWS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qidx")  # per token, the prompt's first
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the first is past decode_fused.MAX_ROWS (64)
@@ -51,16 +53,30 @@ def prefill_length(n: int, cap: int) -> int | None:
     return None
 
 
+@dataclass
+class HeldStates:
+    """A hybrid's grid states of a padded prefill (batch.held_out): conv [Bp, k, L, conv_dim, K-1] and
+    ssm [Bp, k, L, H, P, N], after stride, 2 stride, ..., k stride tokens of each row."""
+
+    stride: int
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
 class PrefillGraphs:
     """The runner's (specialists/runner.py) padded prefills: `shape` says whether a step is one, `run`
     runs it, `capture` captures every shape at warm-up on the scratch block. A step of several fresh
     prompts runs as one graph too: rows padded to one length, at most `cap` tokens in all, a row bucket
     of up to `max_rows` (the prompts' own batch is built apart, their hidden states gathered from the rows)."""
 
-    def __init__(self, runner: Any, cap: int, max_rows: int = 1) -> None:
-        self.runner, self.cap, self.max_rows = runner, cap, max_rows
+    def __init__(self, runner: Any, cap: int, max_rows: int = 1, stride: int = 0) -> None:
+        """stride: a hybrid's snapshot grid (state/ssm_snapshots.py; 0: no prefix cache, nothing held)."""
+        self.runner, self.cap, self.max_rows, self.stride = runner, cap, max_rows, stride
         self.steps = 0  # prefill steps run padded
         self._pool = None  # one memory pool for every shape's graph: about the largest one's (prefills run one at a time)
+        ssm, grid = runner.ssm, max((b * ((n - 1) // stride) for b, n in self.shapes()), default=0) if stride else 0
+        self._held = None if ssm is None or not grid else (  # every shape's grid states: views of one buffer
+            ssm.conv.new_zeros(grid, *ssm.conv.shape[1:]), ssm.ssm.new_zeros(grid, *ssm.ssm.shape[1:]))
 
     def shapes(self) -> list[tuple[int, int]]:
         """(row bucket, length) of every graph."""
@@ -89,6 +105,8 @@ class PrefillGraphs:
         self.steps += 1
         padded = self._build(rows, bp, length, tables)
         hidden, logits = self._replay(padded)
+        if padded.held_out is not None:
+            self._hold(rows, padded.held_out)
         if bp == 1:  # the prompt leads its row: its own batch is the padded one's first T tokens, the same buffers
             T = len(rows[0].tokens)
             real = replace(padded, **{f: getattr(padded, f)[:T] for f in _TOKEN_VIEWS}, query_lens=[T], max_query_len=T,
@@ -114,6 +132,17 @@ class PrefillGraphs:
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
         return n
 
+    def _hold(self, rows: list, held: HeldStates) -> None:
+        """Each prompt's grid states that its snapshot plan wants (SSMSnapshots.plan: the grid's counts
+        inside the prompt, the first of the k the graph computed) to the SSM cache, for the step's capture."""
+        ssm, g = self.runner.ssm, held.stride
+        for b, r in enumerate(rows):
+            want = ssm.prefill_counts(r.ssm_slot)
+            if want != list(range(g, g * len(want) + 1, g)) or len(want) > held.conv.shape[1]:
+                raise AssertionError(f"seq {r.seq_id}: snapshot counts {want} are not the first of a {g}-token grid")
+            for layer in range(held.conv.shape[2]) if want else ():
+                ssm.hold(layer, r.ssm_slot, held.conv[b, :len(want), layer], held.ssm[b, :len(want), layer])
+
     def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         runner = self.runner
         runner._check_generation()
@@ -121,7 +150,7 @@ class PrefillGraphs:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             batch.__dict__.pop("_attn_meta", None)
-            hidden = model.forward(batch, runner.kv, None)  # [length, d]
+            hidden = model.forward(batch, runner.kv, runner.ssm)  # [length, d]
             return hidden, model.logits(hidden[batch.logits_indices]).float()
 
         if self._pool is None and runner.graphs.enabled:
@@ -153,13 +182,16 @@ class PrefillGraphs:
         lidx[:bp] = np.arange(bp) * length + np.asarray(lens) - 1
         inp.staging("query_start_loc", bp + 1)[:] = np.concatenate([[0], np.cumsum(lens)])
         inp.staging("context_lens", bp)[:] = lens  # the prompts' (the CPU's mask zeroes each row's keys past them)
-        inp.staging("ssm_slots", bp)[:] = -1
+        ssm = runner.ssm  # a hybrid: its rows' slots, the padding rows' the scratch one
+        inp.staging("ssm_slots", bp)[:] = [r.ssm_slot for r in rows] + [ssm.scratch_slot] * (bp - len(rows)) if ssm else -1
         inp.upload()
         dv = inp.device_view
+        k = (length - 1) // self.stride if self._held is not None else 0
+        held = HeldStates(self.stride, *(t[: bp * k].view(bp, k, *t.shape[1:]) for t in self._held)) if k else None
         return ForwardBatch(
             input_ids=dv("input_ids", n), positions=dv("positions", n), seq_ids=[r.seq_id for r in rows] + [-1] * (bp - len(rows)),
             query_start_loc=dv("query_start_loc", bp + 1), context_lens=dv("context_lens", bp),
             block_tables=inp.tables(bp, width, device=True), slot_mapping=dv("slot_mapping", n), ssm_slots=dv("ssm_slots", bp),
             logits_indices=dv("logits_indices", bp), query_lens=[length] * bp, is_prefill=[True] * bp,
             token_seq=dv("token_seq", n), token_qidx=dv("token_qidx", n), max_query_len=length, max_context_len=length,
-            num_pad=bp - len(rows), fresh_rows=True)
+            num_pad=bp - len(rows), fresh_rows=True, held_out=held)

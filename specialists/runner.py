@@ -102,7 +102,8 @@ class Runner:
         self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
         self.exact_rows = exact_rows(self.device, model.lm_head.dtype)  # rows a step's products stay row-invariant
         cap = min(cfg.prefill_graph_tokens, self.inputs.max_tokens, self.max_context_width)  # a fresh prompt's prefill graphs
-        self.prefills = PrefillGraphs(self, cap, min(bucket_size(cfg.max_num_seqs), 8)) if cap and ssm is None and not self.row_exact else None
+        self.prefills = PrefillGraphs(self, cap, min(bucket_size(cfg.max_num_seqs), 8), cfg.ssm_snapshot_stride or 0) \
+            if cap and not self.row_exact else None
         self.lone_prefill = self.prefills.fits if self.prefills is not None else None  # the scheduler's prefill_alone
         if torch.device(self.device).type == "cuda" and getattr(model, "rope", None) is not None:
             model.rope.tabulate(self.max_context_width, model.embed.dtype)  # RoPE rows gathered, not computed
@@ -372,7 +373,8 @@ class Runner:
 
     def capture_prefills(self) -> int:
         """A fresh prompt's prefill graph at every padded length (prefill_graph.py) -> how many were captured."""
-        return self.prefills.capture(BatchRow(-1, [0], True, -1)) if self.prefills is not None else 0
+        slot = self.ssm.scratch_slot if self.ssm is not None else -1  # a hybrid's capture writes the scratch slot
+        return self.prefills.capture(BatchRow(-1, [0], True, slot)) if self.prefills is not None else 0
 
     def static_outputs(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None) -> StaticOutputs | None:
         """The outputs of the captured step graph of that shape (None if not captured)."""

@@ -87,7 +87,7 @@ class SSMCache:
         self.config = config
         c = config
         # one slot past the pool: scratch, never allocated, read by the padding rows of a bucketed
-        # batch (specialists/runner.py) and never written
+        # batch (specialists/runner.py); only a padded prefill's padding rows write it (prefill_graph.py)
         self.scratch_slot = c.num_slots
         self.conv = torch.zeros(
             c.num_slots + 1, c.num_layers, c.conv_dim, c.d_conv - 1, dtype=c.conv_dtype, device=c.device

@@ -4,7 +4,8 @@ after a committed block boundary, kept with the prefix-cache entry of the block 
 A KV prefix hit alone is not enough for a hybrid: the Mamba layers carry the whole prefix in a
 fixed-size state, so a hit of n tokens must also bring the state after exactly those n tokens. Here:
 
-* capture: every committed full block's end gets a snapshot of the sequence's state there. Only
+* capture: every committed position on the snapshot grid (every `stride` tokens, a multiple of the
+  block size: default_stride) gets a snapshot of the sequence's state there. Only
   committed tokens count: a prefill's block boundaries come from the prefill itself
   (`SSMCache.want_prefill_states` -> mamba2_prefill_at), a decode's or verify's from the step's staged
   per-token states, at most up to the kept length (`SSMCache.state_after(n <= kept)`), never from a
@@ -32,11 +33,15 @@ import torch
 from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache, SSMCacheConfig
 
-__all__ = ["DEFAULT_SNAPSHOT_BYTES", "PendingSnapshot", "SSMSnapshots", "snapshot_bytes", "default_capacity"]
+__all__ = ["DEFAULT_SNAPSHOT_BYTES", "PendingSnapshot", "SSMSnapshots", "snapshot_bytes", "default_capacity",
+           "default_stride", "pool_shape"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SNAPSHOT_BYTES = 256 << 20  # the pool's default size: as many snapshots as fit in 256 MiB
+# the default grid keeps at most this many bytes of snapshot a token: about a large attention model's KV
+# a token (llama-3b: 112 KiB), so that a long prefill's snapshots cannot crowd out the KV they go with
+SNAPSHOT_BYTES_PER_TOKEN = 128 << 10
 
 
 def snapshot_bytes(c: SSMCacheConfig) -> int:
@@ -45,9 +50,28 @@ def snapshot_bytes(c: SSMCacheConfig) -> int:
     return c.num_layers * (conv + c.num_heads * c.head_dim * c.d_state * 4)
 
 
-def default_capacity(c: SSMCacheConfig, num_blocks: int) -> int:
-    """Snapshots in the default pool: DEFAULT_SNAPSHOT_BYTES worth, at most one per KV block, at least one."""
-    return max(1, min(num_blocks, DEFAULT_SNAPSHOT_BYTES // snapshot_bytes(c)))
+def default_capacity(c: SSMCacheConfig, num_blocks: int, blocks_per_snapshot: int = 1) -> int:
+    """Snapshots in the default pool: DEFAULT_SNAPSHOT_BYTES worth, at most one per grid step of the KV
+    blocks, at least one."""
+    return max(1, min(num_blocks // blocks_per_snapshot, DEFAULT_SNAPSHOT_BYTES // snapshot_bytes(c)))
+
+
+def default_stride(c: SSMCacheConfig, block_size: int) -> int:
+    """Tokens between two snapshots: the smallest power-of-two number of blocks whose tokens carry at most
+    SNAPSHOT_BYTES_PER_TOKEN of snapshot each. The toys' ~0.4 MiB snapshots: every block (16 tokens);
+    bamba-1b's 24.3 MiB: every 256 tokens. A grid of every block would hold a 2,000-token prefill's 125
+    states at once at bamba-1b (3 GB) and flush a pool of 10 with one prompt."""
+    blocks = 1
+    while snapshot_bytes(c) > SNAPSHOT_BYTES_PER_TOKEN * blocks * block_size:
+        blocks *= 2
+    return blocks * block_size
+
+
+def pool_shape(c: SSMCacheConfig, num_blocks: int, block_size: int, capacity: int | None,
+               stride: int | None) -> tuple[int, int]:
+    """(snapshots in the pool, tokens between two): the asked ones, else the defaults (capacity 0: no pool)."""
+    stride = stride or default_stride(c, block_size)
+    return (capacity if capacity is not None else default_capacity(c, num_blocks, stride // block_size)), stride
 
 
 @dataclass(slots=True)
@@ -61,12 +85,16 @@ class PendingSnapshot:
 
 
 class SSMSnapshots:
-    def __init__(self, ssm: SSMCache, kv: KVCache, capacity: int) -> None:
+    def __init__(self, ssm: SSMCache, kv: KVCache, capacity: int, stride: int | None = None) -> None:
+        """stride: tokens between two snapshots, a multiple of the block size (None: the block size)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         c = ssm.config
         self.cache, self.kv, self.capacity = ssm, kv, capacity
         self.block_size = kv.block_size
+        self.stride = stride or kv.block_size
+        if self.stride % self.block_size:
+            raise ValueError(f"stride {self.stride} is not a multiple of the block size {self.block_size}")
         self.conv = torch.zeros(capacity, c.num_layers, c.conv_dim, c.d_conv - 1, dtype=c.conv_dtype, device=c.device)
         self.ssm = torch.zeros(capacity, c.num_layers, c.num_heads, c.head_dim, c.d_state, dtype=torch.float32,
                                device=c.device)
@@ -84,14 +112,14 @@ class SSMSnapshots:
     # ---- the step's hooks ----------------------------------------------------------------------
 
     def _boundaries(self, start: int, n: int) -> list[int]:
-        """Token counts j in [1, n] after which start + j is a block boundary."""
-        bs = self.block_size
-        first = (start // bs + 1) * bs
-        return [p - start for p in range(first, start + n + 1, bs)]
+        """Token counts j in [1, n] after which start + j is on the snapshot grid."""
+        g = self.stride
+        first = (start // g + 1) * g
+        return [p - start for p in range(first, start + n + 1, g)]
 
     def plan(self, prefills: list[tuple[Any, list[int]]]) -> None:
-        """Before the forward: each prefill (sequence, its new tokens) keeps its states at the block
-        boundaries strictly inside it (its end is the slot's state after the forward)."""
+        """Before the forward: each prefill (sequence, its new tokens) keeps its states at the grid's
+        positions strictly inside it (its end is the slot's state after the forward)."""
         for seq, tokens in prefills:
             start = self.kv.num_computed(seq.seq_id)
             self.cache.want_prefill_states(seq.ssm_slot, self._boundaries(start, len(tokens) - 1))
@@ -155,7 +183,7 @@ class SSMSnapshots:
             self.dropped += 1
 
     def stats(self) -> dict[str, int]:
-        return {"ssm_snapshots": len(self._index), "ssm_snapshot_capacity": self.capacity,
+        return {"ssm_snapshots": len(self._index), "ssm_snapshot_capacity": self.capacity, "ssm_snapshot_stride": self.stride,
                 "ssm_snapshots_saved": self.saved, "ssm_snapshots_restored": self.restored,
                 "ssm_snapshots_evicted": self.evicted, "prefix_hit_tokens_without_state": self.kv.unusable_hit_tokens}
 

@@ -268,3 +268,78 @@ def test_bench_prefix_ttft_counts_hits_and_keeps_tokens(ckpt: Path) -> None:
     assert res["prefix_hit_tokens_first"] == 0 and res["prefix_hit_tokens_later"] >= 32
     assert res["identical_prefix_cache"] == 1.0
     assert res["ttft_first_ms"] > 0 and res["ttft_later_ms"] > 0 and res["ttft_later_speedup"] > 0
+
+
+# ---- the snapshot grid and padded prefills (a CUDA graph's on a GPU; eager here) -----------------------
+
+
+def test_the_default_grid_keeps_snapshots_per_token_bounded() -> None:
+    """Every block for the toys' small states, every 256 tokens for bamba-1b's 24.3 MiB; asked strides
+    must be multiples of the block size."""
+    from specialists.options import EngineOptions, OptionsError
+    from state.ssm_cache import SSMCacheConfig
+    from state.ssm_snapshots import default_stride, pool_shape, snapshot_bytes
+
+    bamba_1b = SSMCacheConfig(8, 12, 4096 + 256, 4, 64, 64, 128, conv_dtype=torch.bfloat16)
+    toy = SSMCacheConfig(8, 3, 640, 4, 8, 64, 64)
+    assert snapshot_bytes(bamba_1b) > 24 << 20 and default_stride(bamba_1b, 16) == 256 and default_stride(toy, 16) == 16
+    assert pool_shape(bamba_1b, 4096, 16, None, None) == (10, 256) and pool_shape(toy, 100, 16, None, 32) == (50, 32)
+    with pytest.raises(OptionsError, match="ssm_snapshot_stride"):
+        EngineOptions(ssm_snapshot_stride=24).resolve()
+
+
+@torch.no_grad()
+def test_a_padded_prefill_gives_each_prompts_states_and_grid(ckpt: Path) -> None:
+    """Rows of 5, 33 and 64 tokens padded to 64: each row's outputs, final states and the states every 16
+    tokens equal the eager prefill's of the prompt alone (the padding's dt is 0)."""
+    from specialists.ops.mamba2_padded import mamba2_prefill_padded
+
+    engine = _engine(ckpt)
+    p: Mamba2Params = next(layer.mamba for layer in engine.model.layers if layer.mamba is not None)
+    torch.manual_seed(2)
+    lens = [5, 33, 64]
+    u = torch.randn(3, 64, 64)
+    y, conv, ssm, conv_at, ssm_at = mamba2_prefill_padded(p, u, torch.tensor(lens), 16)
+    assert conv_at.shape[:2] == ssm_at.shape[:2] == (3, 3)  # counts 16, 32, 48
+    for b, T in enumerate(lens):
+        y_ref, conv_ref, ssm_ref = mamba2_prefill(p, u[b, :T])
+        torch.testing.assert_close(y.view(3, 64, -1)[b, :T], y_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv[b], conv_ref, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(ssm[b], ssm_ref, atol=TOL, rtol=TOL)
+        for i, n in enumerate(n for n in (16, 32, 48) if n < T):
+            _, c, s = mamba2_prefill(p, u[b, :n])
+            torch.testing.assert_close(conv_at[b, i], c, atol=TOL, rtol=TOL)
+            torch.testing.assert_close(ssm_at[b, i], s, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "spec"])
+def test_padded_prefills_with_the_prefix_cache_equal_eager_ones(ckpt: Path, reference: list[list[int]], spec: bool) -> None:
+    """Fresh prompts prefilled padded (rows of 128 and 256 tokens, one and several a step), then prompts
+    that hit their snapshots (eager over the rest): the reference's greedy tokens; every snapshot is its
+    prefix's state; the hits restored states that padded prefills made."""
+    engine = _engine(ckpt, spec=spec, prefill_graph_tokens=512)
+    prompts = _prompts()
+    for rnd, concurrent in enumerate((False, True)):
+        outs = _run(engine, prompts, reference if spec else None, seed=rnd) if concurrent else \
+            [_run(engine, [p], [r] if spec else None, seed=rnd)[0] for p, r in zip(prompts, reference)]
+        assert outs == reference, f"round {rnd}"
+    stats = engine.stats
+    assert stats["padded_prefills"] >= 8 and stats["ssm_snapshots_restored"] > 0 and stats["prefix_hit_tokens"] >= 8 * 32, stats
+    assert _assert_snapshots_are_their_prefixes(engine) > 0
+
+
+def test_a_coarser_grid_hits_only_on_it(ckpt: Path, reference: list[list[int]]) -> None:
+    """Snapshots every 32 tokens: hits end on the grid (the 40-token head hits 32, the 70-token one 64),
+    with the same tokens."""
+    engine = _engine(ckpt, ssm_snapshot_stride=32, max_num_seqs=1)
+    prompts = _prompts()
+    assert [engine.generate([p], _params())[0].token_ids for p in prompts] == reference
+    stats = engine.stats
+    assert stats["ssm_snapshot_stride"] == 32 and stats["prefix_hit_tokens"] > 0 and stats["prefix_hit_tokens"] % 32 == 0
+    before, head = dict(stats), prompts[0][:50] + [7] * 20  # a 48-token KV hit, whose state is at 32
+    engine.generate([head], _params())
+    assert engine.stats["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 32
+    assert engine.stats["prefix_hit_tokens_without_state"] - before["prefix_hit_tokens_without_state"] == 16
+    assert _assert_snapshots_are_their_prefixes(engine) > 0
+    tokens = _entry_tokens(engine)
+    assert all(len(tokens[e]) % 32 == 0 for e in engine.snapshots._index if e in tokens)

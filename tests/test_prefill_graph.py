@@ -1,8 +1,9 @@
 """specialists/prefill_graph.py: a fresh prompt's prefill padded to a length of PREFILL_LENGTHS (a CUDA
 graph per length on a GPU; on the CPU the same padded forward runs eagerly). Checked against eager
 prefills on the same weights: the first token's logits and the greedy tokens after, the KV the prompt
-wrote, plain and speculative; steps that are no fresh one-sequence prefill (a prefix hit, a batch of
-two prompts, a hybrid) stay eager. With CANTATA_TEST_DEVICE=cuda the graphs run (bf16 too)."""
+wrote, plain and speculative; steps that are no fresh prefill (a prefix hit, prompts past the cap)
+stay eager. Hybrids: tests/test_hybrid_prefix_cache.py. With CANTATA_TEST_DEVICE=cuda the graphs run
+(bf16 too)."""
 
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def test_greedy_tokens_after_a_padded_prefill_equal_the_eager_engines(mode: str)
 
 
 def test_steps_that_are_no_fresh_prefill_stay_eager() -> None:
-    """A prefix hit (the prompt's blocks cached), prompts past the cap together (2 x 512 > 512), and a
-    hybrid: not padded; two short prompts in one step: padded rows."""
+    """A prefix hit (the prompt's blocks cached) and prompts past the cap together (2 x 512 > 512): not
+    padded; two short prompts in one step: padded rows; a hybrid's fresh prompt: padded."""
     prompts = _prompts(2, (40, 70))
     llama = _engine("shell", 512)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -103,9 +104,9 @@ def test_steps_that_are_no_fresh_prefill_stay_eager() -> None:
     assert llama.stats["padded_prefills"] == 2
     llama.generate([p[::-1] * 4 for p in prompts], params)  # 160 and 280 tokens: 2 x 512 > 512
     assert llama.stats["padded_prefills"] == 2
-    hybrid = _engine("cpp", 512)
-    hybrid.generate([prompts[1]], params)
-    assert hybrid.stats["padded_prefills"] == 0
+    hybrid, eager = _engine("cpp", 512), _engine("cpp", 0)  # a hybrid's fresh prompt: padded too
+    assert hybrid.generate([prompts[1]], params)[0].token_ids == eager.generate([prompts[1]], params)[0].token_ids
+    assert hybrid.stats["padded_prefills"] == 1
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
@@ -181,13 +182,14 @@ def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs: CANTATA_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.dtype) -> None:
+def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.dtype, domain: str) -> None:
     """On a GPU: the warm-up captures every shape up to the cap (one prompt of each length, several
     rows of the shorter ones); prompts alone and two together replay them (no new capture); speculative
     output equals plain output (another engine: no prefix hits), both prefilled through the graphs, and
     in fp32 equals the eager engine's."""
-    padded = _engine("shell", 512, "on", dtype)
+    padded = _engine(domain, 512, "on", dtype)
     graphs = padded.runner.graphs
     prefills = lambda: [key for key in graphs.keys() if key[0] == "prefill"]  # noqa: E731
     shapes = [(1, 128), (1, 256), (1, 512), (2, 128), (2, 256), (4, 128)]  # max_num_seqs 4, cap 512 tokens
@@ -202,8 +204,26 @@ def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.d
 
     spec = run(padded)
     assert len(prefills()) == 6 and padded.stats["padded_prefills"] == 5  # replayed: no capture in a request
-    plain = _engine("shell", 512, "off", dtype)
+    plain = _engine(domain, 512, "off", dtype)
     assert run(plain) == spec and plain.stats["padded_prefills"] == 5
     if dtype == torch.float32:
-        assert run(_engine("shell", 0, "off", dtype)) == spec
+        assert run(_engine(domain, 0, "off", dtype)) == spec
     padded.kv.check_invariants()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs: CANTATA_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_hybrids_prefix_hits_restore_states_its_prefill_graphs_made(mode: str) -> None:
+    """On a GPU, fp32, the cpp hybrid: a fresh prompt prefilled by a graph leaves snapshots on its grid;
+    prompts sharing its head hit them (eager over the rest), with the tokens of an engine without the
+    prefix cache or padding."""
+    head = _prompts(5, (100,))[0]
+    prompts = [head + t for t in _prompts(6, (3, 30, 70))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    padded = _engine("cpp", 512, mode)
+    outs = [padded.generate([p], params)[0].token_ids for p in prompts]
+    stats = padded.stats
+    assert stats["padded_prefills"] == 1 and stats["ssm_snapshots_restored"] == 2 and stats["prefix_hit_tokens"] == 2 * 96, stats
+    eager = _engine("cpp", 0, mode, enable_prefix_cache=False)
+    assert outs == [eager.generate([p], params)[0].token_ids for p in prompts]
+    padded.snapshots.check_invariants()

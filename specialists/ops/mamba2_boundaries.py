@@ -17,7 +17,7 @@ import torch
 
 from state.transfer import device_ints
 
-__all__ = ["states_at"]
+__all__ = ["grid_states", "states_at"]
 
 
 def states_at(xdt: torch.Tensor, a: torch.Tensor, Bh: torch.Tensor, init: torch.Tensor,
@@ -32,15 +32,29 @@ def states_at(xdt: torch.Tensor, a: torch.Tensor, Bh: torch.Tensor, init: torch.
     mask = [[float(e - width + t >= s) for t in range(width)] for s, e in zip(starts, ends)]
     pos = device_ints(rows, xdt.device)
     valid = device_ints(mask, xdt.device, xdt.dtype)
-    a_seg = a[pos] * valid[..., None]  # [k, width, H]
-    xdt_seg = xdt[pos] * valid[..., None, None]  # [k, width, H, P]
+    return _segment_states(a[pos] * valid[..., None], xdt[pos] * valid[..., None, None], Bh[pos], init)
+
+
+def grid_states(xdt: torch.Tensor, a: torch.Tensor, Bh: torch.Tensor, init: torch.Tensor, stride: int,
+                k: int) -> torch.Tensor:
+    """states_at(..., at=[stride, 2 stride, ..., k stride]) by views, no index tensors (a CUDA graph's
+    padded prefill, specialists/ops/mamba2_padded.py): the segments are the grid's, all `stride` long."""
+    H = a.shape[-1]
+    n = k * stride
+    return _segment_states(a[:n].view(k, stride, H), xdt[:n].view(k, stride, *xdt.shape[1:]),
+                           Bh[:n].view(k, stride, *Bh.shape[1:]), init)
+
+
+def _segment_states(a_seg: torch.Tensor, xdt_seg: torch.Tensor, B_seg: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """a_seg [k, width, H], xdt_seg [k, width, H, P], B_seg [k, width, H, N] (segment i's tokens, the
+    padding zero in a and xdt), init [H, P, N] -> [k, H, P, N]: the state at each segment's end."""
     total = a_seg.sum(1)  # [k, H]
     # decay from token s to the segment end, exp(a_{s+1} + ... + a_end), summed from the end: no difference
     # of two large prefix sums (a_s reaches -10 and more per token), so the weights that matter are exact
     after = torch.cat([a_seg[:, 1:], torch.zeros_like(a_seg[:, :1])], dim=1)  # [k, width, H]: a_{s+1}
     to_end = torch.exp(after.flip(1).cumsum(1).flip(1))  # [k, width, H]
     xw = (xdt_seg * to_end[..., None]).permute(0, 2, 3, 1)  # [k, H, P, width]
-    own = xw @ Bh[pos].transpose(1, 2)  # [k, H, P, width] @ [k, H, width, N] -> [k, H, P, N]
+    own = xw @ B_seg.transpose(1, 2)  # [k, H, P, width] @ [k, H, width, N] -> [k, H, P, N]
     decay = torch.exp(total)[..., None, None]  # [k, H, 1, 1]
     out = []
     state = init.float()

@@ -1,0 +1,52 @@
+"""Fresh prompts' Mamba2 prefills at one padded length (specialists/prefill_graph.py): rows of n tokens,
+row b a prompt of lens[b] <= n tokens (read on the device) followed by padding, from zero states.
+
+- the padding's dt is 0: no decay and no input, so the state after the n tokens is the state after the
+  prompt (the chunked scan's own zero padding rests on the same identity: mamba2._ssd_chunked);
+- the conv state after the prompt is its window's K-1 inputs ending at lens[b], gathered on the device;
+- the states on the prefix cache's snapshot grid (every `stride` tokens below n: state/ssm_snapshots.py)
+  come from grid_states over the padded tokens; those past a prompt's end are never read (a prompt's
+  plan asks only for counts inside it).
+Every shape is static, so a CUDA graph per (rows, n) replays it for any lens. The scan is the torch one
+(the chunk is min(chunk_size, n) where an eager prefill of T tokens takes min(chunk_size, T)): in fp32 its
+results match an eager prefill's to rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _ssd_chunked
+from specialists.ops.mamba2_boundaries import grid_states
+
+__all__ = ["mamba2_prefill_padded"]
+
+
+def mamba2_prefill_padded(p: Mamba2Params, u: torch.Tensor, lens: torch.Tensor, stride: int = 0):
+    """u [B, n, d] normed, lens [B] (device) -> (y [B * n, d], conv [B, conv_dim, K-1], ssm [B, H, P, N]
+    fp32: the states after each prompt, conv_at [B, k, conv_dim, K-1] and ssm_at [B, k, H, P, N] at
+    counts stride, 2 stride, ..., k stride with k = (n - 1) // stride (None when k is 0 or stride 0))."""
+    B, n, _ = u.shape
+    z, xbc, dt_raw = _in_proj(p, u)
+    K1 = p.d_conv - 1
+    xbc, window = _conv(p, xbc, xbc.new_zeros(B, p.conv_dim, K1))  # window [B, conv_dim, K-1 + n]
+    ends = lens.long()[:, None] + torch.arange(K1, device=u.device)  # window columns of the last K-1 inputs
+    conv = window.gather(2, ends[:, None, :].expand(B, p.conv_dim, K1))
+    valid = torch.arange(n, device=u.device)[None, :] < lens.long()[:, None]  # [B, n]
+    dt = _dt(p, dt_raw) * valid[..., None]  # the padding's dt: 0
+    x, Bh, Ch = _split_xbc(p, xbc)  # [B, n, H, P], [B, n, H, N] x2
+    k = (n - 1) // stride if stride else 0
+    init = torch.zeros(p.num_heads, p.head_dim, p.d_state, device=u.device, dtype=torch.float32)
+    ys, finals, grid = [], [], []
+    for b in range(B):  # the graph records each row's scan; shapes are static
+        y, final = _ssd_chunked(x[b], dt[b], p.A, Bh[b], Ch[b], p.D, init, min(p.chunk_size, n))
+        ys.append(y)
+        finals.append(final)
+        if k:
+            grid.append(grid_states(x[b] * dt[b][..., None], dt[b] * p.A, Bh[b], init, stride, k))
+    y = torch.stack(ys).reshape(B * n, p.d_inner)
+    out = _gated_norm_out(p, y, z.reshape(B * n, -1), u.dtype)
+    if not k:
+        return out, conv, torch.stack(finals), None, None
+    conv_at = torch.stack([window[:, :, j:j + K1] for j in range(stride, k * stride + 1, stride)], dim=1)
+    return out, conv, torch.stack(finals), conv_at, torch.stack(grid)
