@@ -7,16 +7,17 @@ row b a prompt of lens[b] <= n tokens (read on the device) followed by padding, 
 - the states on the prefix cache's snapshot grid (every `stride` tokens below n: state/ssm_snapshots.py)
   come from grid_states over the padded tokens; those past a prompt's end are never read (a prompt's
   plan asks only for counts inside it).
-Every shape is static, so a CUDA graph per (rows, n) replays it for any lens. The scan is the torch one
-(the chunk is min(chunk_size, n) where an eager prefill of T tokens takes min(chunk_size, T)): in fp32 its
-results match an eager prefill's to rounding, not bit for bit.
+Every shape is static, so a CUDA graph per (rows, n) replays it for any lens. The scan is mamba-ssm's
+Triton one where it is installed (as an eager prefill's), else the torch one (the chunk is min(chunk_size,
+n) where an eager prefill of T tokens takes min(chunk_size, T)): in fp32 its results match an eager
+prefill's to rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _ssd_chunked
+from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _ssd_chunked, _use_triton
 from specialists.ops.mamba2_boundaries import grid_states
 
 __all__ = ["mamba2_prefill_padded"]
@@ -37,16 +38,28 @@ def mamba2_prefill_padded(p: Mamba2Params, u: torch.Tensor, lens: torch.Tensor, 
     x, Bh, Ch = _split_xbc(p, xbc)  # [B, n, H, P], [B, n, H, N] x2
     k = (n - 1) // stride if stride else 0
     init = torch.zeros(p.num_heads, p.head_dim, p.d_state, device=u.device, dtype=torch.float32)
-    ys, finals, grid = [], [], []
-    for b in range(B):  # the graph records each row's scan; shapes are static
-        y, final = _ssd_chunked(x[b], dt[b], p.A, Bh[b], Ch[b], p.D, init, min(p.chunk_size, n))
-        ys.append(y)
-        finals.append(final)
-        if k:
-            grid.append(grid_states(x[b] * dt[b][..., None], dt[b] * p.A, Bh[b], init, stride, k))
-    y = torch.stack(ys).reshape(B * n, p.d_inner)
-    out = _gated_norm_out(p, y, z.reshape(B * n, -1), u.dtype)
+    y, final = _scan(p, x, dt, Bh, Ch, xbc, init)
+    out = _gated_norm_out(p, y.reshape(B * n, p.d_inner), z.reshape(B * n, -1), u.dtype)
     if not k:
-        return out, conv, torch.stack(finals), None, None
+        return out, conv, final, None, None
+    grid = torch.stack([grid_states(x[b] * dt[b][..., None], dt[b] * p.A, Bh[b], init, stride, k) for b in range(B)])
     conv_at = torch.stack([window[:, :, j:j + K1] for j in range(stride, k * stride + 1, stride)], dim=1)
-    return out, conv, torch.stack(finals), conv_at, torch.stack(grid)
+    return out, conv, final, conv_at, grid
+
+
+def _scan(p: Mamba2Params, x: torch.Tensor, dt: torch.Tensor, Bh: torch.Tensor, Ch: torch.Tensor, xbc: torch.Tensor,
+          init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (y [B, n, H, P] fp32, final states [B, H, P, N]): mamba-ssm's Triton chunk scan over every row at
+    once where it loads (dt given as is: masked, softplus and limits applied), else the torch scan a row
+    at a time (the graph records each; shapes are static)."""
+    B, n = x.shape[:2]
+    ops = _use_triton(x.device)
+    if ops is not None:
+        xs, Bg, Cg = xbc.split([p.d_inner, p.n_groups * p.d_state, p.n_groups * p.d_state], dim=-1)
+        y, final = ops.chunk_scan_combined(
+            xs.reshape(B, n, p.num_heads, p.head_dim), dt, p.A, Bg.reshape(B, n, p.n_groups, p.d_state),
+            Cg.reshape(B, n, p.n_groups, p.d_state), p.chunk_size, D=p.D, z=None, dt_bias=None,
+            initial_states=None, dt_softplus=False, return_final_states=True)
+        return y.float(), final.float()
+    ys, finals = zip(*(_ssd_chunked(x[b], dt[b], p.A, Bh[b], Ch[b], p.D, init, min(p.chunk_size, n)) for b in range(B)))
+    return torch.stack(ys), torch.stack(finals)
