@@ -203,6 +203,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
               "quantization": sides.engine.cfg.quantization, "decode_ahead": sides.engine.stats["decode_ahead"],
               "prefill_graph_tokens": sides.engine.cfg.prefill_graph_tokens, "padded_prefills": sides.engine.stats["padded_prefills"],
+              "padded_hit_prefills": sides.engine.stats["padded_hit_prefills"],
               "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
     t_hf = 0.0
     if not args.skip_hf:

@@ -68,12 +68,18 @@ def measure(load: Callable[[bool], Any], prompts: list[list[int]], max_new: int,
 
 
 def loader(args: Any, dtype: Any) -> Callable[[bool], Any]:
-    """bench.decode's engine for --prefix-ttft: the speculative one with --spec-k, else the plain one."""
+    """bench.decode's engine for --prefix-ttft: the speculative one with --spec-k, else the plain one
+    (--prefill-graph-tokens as the timed engines take it)."""
     from policies.policy import SpeculationPolicy
     from specialists.engine import Engine
 
     policy = SpeculationPolicy(mode="off")
     if args.spec_k:
         policy = SpeculationPolicy(mode="on", num_speculative_tokens=args.spec_k, acceptance=args.acceptance)
-    return lambda prefix_cache: Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=1,
-                                                        policy=policy, enable_prefix_cache=prefix_cache)
+    def load(prefix_cache: bool) -> Any:  # warmed up as a served engine is: every graph captured before timing
+        engine = Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=1, policy=policy,
+                                        enable_prefix_cache=prefix_cache, prefill_graph_tokens=args.prefill_graph_tokens)
+        engine.capture_graphs()
+        return engine
+
+    return load

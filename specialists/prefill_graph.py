@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from specialists.models.batch import ForwardBatch, SeqStep
-from specialists.staging import BUCKETS, StaticInputs, bucket_size
+from specialists.staging import BUCKETS, StaticInputs, bucket_size, context_width
 from specialists.step_result import StepResult
 from state.transfer import device_ints
 
@@ -67,70 +67,92 @@ class PrefillGraphs:
     """The runner's (specialists/runner.py) padded prefills: `shape` says whether a step is one, `run`
     runs it, `capture` captures every shape at warm-up on the scratch block. A step of several fresh
     prompts runs as one graph too: rows padded to one length, at most `cap` tokens in all, a row bucket
-    of up to `max_rows` (the prompts' own batch is built apart, their hidden states gathered from the rows)."""
+    of up to `max_rows` (the prompts' own batch is built apart, their hidden states gathered from the rows).
+    A prompt alone in its step after a prefix hit (its new tokens after `c` cached ones) runs as a graph
+    per (length, context width): its context gathered from the pool at the width, masked by position."""
 
     def __init__(self, runner: Any, cap: int, max_rows: int = 1, stride: int = 0) -> None:
         """stride: a hybrid's snapshot grid (state/ssm_snapshots.py; 0: no prefix cache, nothing held)."""
         self.runner, self.cap, self.max_rows, self.stride = runner, cap, max_rows, stride
-        self.steps = 0  # prefill steps run padded
+        self.steps = self.hit_steps = 0  # prefill steps run padded, of them after a prefix hit
         self._pool = None  # one memory pool for every shape's graph: about the largest one's (prefills run one at a time)
-        ssm, grid = runner.ssm, max((b * ((n - 1) // stride) for b, n in self.shapes()), default=0) if stride else 0
+        ssm, grid = runner.ssm, max((b * ((n - 1) // stride) for b, n, _ in self.shapes()), default=0) if stride else 0
         self._held = None if ssm is None or not grid else (  # every shape's grid states: views of one buffer
             ssm.conv.new_zeros(grid, *ssm.conv.shape[1:]), ssm.ssm.new_zeros(grid, *ssm.ssm.shape[1:]))
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """(row bucket, length) of every graph."""
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """(row bucket, length, context width; 0: fresh prompts) of every graph."""
         rows = [b for b in BUCKETS if b <= self.max_rows]
-        return [(b, n) for b in rows for n in PREFILL_LENGTHS if b * n <= self.cap]
+        fresh = [(b, n, 0) for b in rows for n in PREFILL_LENGTHS if b * n <= self.cap]
+        return fresh + [(1, n, w) for b, n, _ in fresh if b == 1 for w in self.runner.context_widths() if w >= 2 * n]
 
-    def fits(self, n: int) -> bool:
-        """Whether a fresh n-token prompt alone in its step prefills padded (the scheduler then runs it
-        apart from the running decodes: specialists/scheduler.py)."""
-        return prefill_length(n, self.cap) is not None
-
-    def shape(self, rows: list, static: bool) -> tuple[int, int] | None:
-        """(row bucket, padded length) of a step of `rows` (runner.BatchRow), None unless every row is a
-        fresh prompt (nothing cached) and they fit a graph."""
-        if not static or not rows or any(not r.prefill or r.k for r in rows):
+    def _width(self, cached: int, length: int) -> int | None:
+        """The context width of a prompt of `length` padded tokens after `cached` ones (None: no graph)."""
+        if cached and self.stride and cached % self.stride:  # a hybrid's row starts on the snapshot grid
             return None
-        if any(self.runner.kv.num_computed(r.seq_id) for r in rows) or len(rows) > self.max_rows:
+        w = context_width(cached + length, self.runner.max_context_width)
+        return w if cached + length <= w else None
+
+    def fits(self, n: int, cached: int = 0) -> bool:
+        """Whether a prompt of n new tokens after `cached` ones alone in its step prefills padded (the
+        scheduler then runs it apart from the running decodes: specialists/scheduler.py)."""
+        length = prefill_length(n, self.cap)
+        return length is not None and (not cached or self._width(cached, length) is not None)
+
+    def shape(self, rows: list, static: bool) -> tuple[int, int, int] | None:
+        """(row bucket, padded length, context width) of a step of `rows` (runner.BatchRow), None unless
+        every row is a fresh prompt (nothing cached; width 0) and they fit a graph, or the step is one
+        prompt after a prefix hit that fits one."""
+        if not static or not rows or any(not r.prefill or r.k for r in rows) or len(rows) > self.max_rows:
             return None
         bp, length = bucket_size(len(rows)), prefill_length(max(len(r.tokens) for r in rows), self.cap)
-        return (bp, length) if length is not None and bp * length <= self.cap else None
+        if length is None or bp * length > self.cap:
+            return None
+        cached = [self.runner.kv.num_computed(r.seq_id) for r in rows]
+        if not any(cached):
+            return bp, length, 0
+        width = self._width(cached[0], length) if len(rows) == 1 else None
+        return (1, length, width) if width is not None else None
 
     @torch.inference_mode()
-    def run(self, rows: list, shape: tuple[int, int]) -> StepResult:
-        bp, length = shape
-        tables = [self.runner.kv.block_table(r.seq_id) for r in rows]
+    def run(self, rows: list, shape: tuple[int, int, int]) -> StepResult:
+        bp, length, width = shape
+        kv = self.runner.kv
+        tables, starts = [kv.block_table(r.seq_id) for r in rows], [kv.num_computed(r.seq_id) for r in rows]
         self.steps += 1
-        padded = self._build(rows, bp, length, tables)
+        self.hit_steps += bool(width)
+        padded = self._build(rows, bp, length, width, tables, starts)
         hidden, logits = self._replay(padded)
         if padded.held_out is not None:
             self._hold(rows, padded.held_out)
         if bp == 1:  # the prompt leads its row: its own batch is the padded one's first T tokens, the same buffers
             T = len(rows[0].tokens)
             real = replace(padded, **{f: getattr(padded, f)[:T] for f in _TOKEN_VIEWS}, query_lens=[T], max_query_len=T,
-                           max_context_len=T, fresh_rows=False)
+                           max_context_len=starts[0] + T, fresh_rows=False, context_rows=False, held_out=None)
             return StepResult(logits, hidden[:T], real)
         dev = self.runner.device
-        real = ForwardBatch.build([SeqStep(r.seq_id, list(r.tokens), 0, t) for r, t in zip(rows, tables)],
-                                  self.runner.kv.block_size, dev)
+        real = ForwardBatch.build([SeqStep(r.seq_id, list(r.tokens), 0, t) for r, t in zip(rows, tables)], kv.block_size, dev)
         index = device_ints([b * length + j for b, r in enumerate(rows) for j in range(len(r.tokens))], dev)
         return StepResult(logits[: len(rows)], hidden[index], real)
 
     @torch.inference_mode()
     def capture(self, row: Any) -> int:
         """Every shape's graph, on rows of `row` (a one-token prompt the runner places in the scratch
-        block) -> how many were captured."""
-        runner, n, scratch = self.runner, 0, [self.runner.kv.scratch_block]
+        block; after a prefix hit, its context the scratch block again and again) -> how many were captured."""
+        runner, n, scratch, bs = self.runner, 0, self.runner.kv.scratch_block, self.runner.kv.block_size
         if not runner.graphs.enabled:
             return 0
-        for bp, length in self.shapes():
-            if not runner.graphs.has(("prefill", bp, length)):
-                self._replay(self._build([row] * bp, bp, length, [scratch] * bp))
+        for bp, length, width in self.shapes():
+            if not runner.graphs.has(self._key(bp, length, width)):
+                table = [scratch] * max(1, width // bs)
+                self._replay(self._build([row] * bp, bp, length, width, [table] * bp, [max(width - length, 0)] * bp))
                 n += 1
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
         return n
+
+    @staticmethod
+    def _key(bp: int, length: int, width: int) -> tuple:
+        return ("prefill", bp, length, width) if width else ("prefill", bp, length)
 
     def _hold(self, rows: list, held: HeldStates) -> None:
         """Each prompt's grid states that its snapshot plan wants (SSMSnapshots.plan: the grid's counts
@@ -155,33 +177,36 @@ class PrefillGraphs:
 
         if self._pool is None and runner.graphs.enabled:
             self._pool = torch.cuda.graph_pool_handle()
-        return runner.graphs.run(("prefill", batch.num_seqs, batch.max_query_len), forward, self._pool)
+        width = batch.max_context_len if batch.context_rows else 0
+        return runner.graphs.run(self._key(batch.num_seqs, batch.max_query_len, width), forward, self._pool)
 
-    def _build(self, rows: list, bp: int, length: int, tables: list[list[int]]) -> ForwardBatch:
-        """The padded batch of fresh prompts: row b's tokens at b * length, the padding after each (and
-        rows past the prompts: all padding) in the scratch block; block tables as wide as the padded
-        length (zeros past each prompt's blocks: the CPU's mask reads them), context lengths and
-        query starts the prompts' own (the graph reads neither)."""
+    def _build(self, rows: list, bp: int, length: int, width: int, tables: list[list[int]], starts: list[int]) -> ForwardBatch:
+        """The padded batch: row b's new tokens at b * length (positions from starts[b], its cached
+        tokens), the padding after each (and rows past the prompts: all padding) in the scratch block;
+        block tables as wide as the padded length or the context width (zeros past each prompt's blocks:
+        the CPU's mask reads them), context lengths and query starts the prompts' own (a fresh prompt's
+        graph reads neither; after a hit the mask comes from the positions)."""
         runner = self.runner
         inp, bs, n = runner.inputs, runner.kv.block_size, bp * length
         inp.wait_upload()
-        width = max(max(len(t) for t in tables), -(-length // bs))
-        inp.ensure(n, bp, width)
+        cols = max(max(len(t) for t in tables), -(-max(length, width) // bs))
+        inp.ensure(n, bp, cols)
         ids, pos, slots, tseq, tq, lidx = (inp.staging(f, n) for f in StaticInputs.TOKEN_FIELDS)
         j = np.tile(np.arange(length), bp)
-        ids[:], pos[:], tseq[:], tq[:] = 0, j, np.repeat(np.arange(bp), length), j
+        first = np.repeat(np.asarray(starts + [0] * (bp - len(rows))), length)
+        ids[:], pos[:], tseq[:], tq[:] = 0, first + j, np.repeat(np.arange(bp), length), j
         slots[:] = runner.kv.scratch_block * bs + j % bs
-        tab = inp.tables(bp, width)
+        tab = inp.tables(bp, cols)
         tab[:] = 0
         lens = [len(r.tokens) for r in rows] + [1] * (bp - len(rows))
-        for b, (r, t) in enumerate(zip(rows, tables)):
-            k = np.arange(lens[b])
+        for b, (r, t, c) in enumerate(zip(rows, tables, starts)):
+            k = c + np.arange(lens[b])
             ids[b * length:b * length + lens[b]] = r.tokens
             slots[b * length:b * length + lens[b]] = np.asarray(t)[k // bs] * bs + k % bs
             tab[b, :len(t)] = t
         lidx[:bp] = np.arange(bp) * length + np.asarray(lens) - 1
         inp.staging("query_start_loc", bp + 1)[:] = np.concatenate([[0], np.cumsum(lens)])
-        inp.staging("context_lens", bp)[:] = lens  # the prompts' (the CPU's mask zeroes each row's keys past them)
+        inp.staging("context_lens", bp)[:] = np.asarray(lens) + np.asarray(starts + [0] * (bp - len(rows)))
         ssm = runner.ssm  # a hybrid: its rows' slots, the padding rows' the scratch one
         inp.staging("ssm_slots", bp)[:] = [r.ssm_slot for r in rows] + [ssm.scratch_slot] * (bp - len(rows)) if ssm else -1
         inp.upload()
@@ -191,7 +216,7 @@ class PrefillGraphs:
         return ForwardBatch(
             input_ids=dv("input_ids", n), positions=dv("positions", n), seq_ids=[r.seq_id for r in rows] + [-1] * (bp - len(rows)),
             query_start_loc=dv("query_start_loc", bp + 1), context_lens=dv("context_lens", bp),
-            block_tables=inp.tables(bp, width, device=True), slot_mapping=dv("slot_mapping", n), ssm_slots=dv("ssm_slots", bp),
+            block_tables=inp.tables(bp, cols, device=True), slot_mapping=dv("slot_mapping", n), ssm_slots=dv("ssm_slots", bp),
             logits_indices=dv("logits_indices", bp), query_lens=[length] * bp, is_prefill=[True] * bp,
-            token_seq=dv("token_seq", n), token_qidx=dv("token_qidx", n), max_query_len=length, max_context_len=length,
-            num_pad=bp - len(rows), fresh_rows=True, held_out=held)
+            token_seq=dv("token_seq", n), token_qidx=dv("token_qidx", n), max_query_len=length,
+            max_context_len=width or length, num_pad=bp - len(rows), fresh_rows=not width, context_rows=bool(width), held_out=held)

@@ -390,7 +390,8 @@ class Runner:
 
     def graph_stats(self) -> dict:  # Engine.stats: the target's CUDA graphs, a hybrid's staged state buffers
         return {"graphs": len(self.graphs), "staged_state_mb": round(self.staged.nbytes / 2**20, 1) if self.staged else 0.0,
-                "padded_prefills": self.prefills.steps if self.prefills is not None else 0}
+                "padded_prefills": self.prefills.steps if self.prefills is not None else 0,
+                "padded_hit_prefills": self.prefills.hit_steps if self.prefills is not None else 0}
 
     def static_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device buffers a static batch of num_rows (padded) rows reads: its context lengths [Bp]

@@ -113,8 +113,8 @@ class Scheduler:
         self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
         self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
-        # lengths of a fresh prompt that prefills alone (a CUDA graph: specialists/prefill_graph.py); None: never
-        self.prefill_alone: Callable[[int], bool] | None = None
+        # (new tokens, cached tokens) of a prompt that prefills alone (a CUDA graph: specialists/prefill_graph.py); None: never
+        self.prefill_alone: Callable[[int, int], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -142,8 +142,8 @@ class Scheduler:
 
     def schedule(self, speculating: bool = False, admit: bool = True) -> ScheduledStep:
         """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
-        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). A lone fresh
-        prompt that prefill_alone takes runs without the decodes (a speculating step's rebuild keeps the
+        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). A lone
+        prompt that prefill_alone takes (fresh, or after a prefix hit) runs without the decodes (a speculating step's rebuild keeps the
         waiting sequences' chain starts: spec/speculator.py's _rebuild)."""
         usable = self._usable(speculating)
         decodes = self._schedule_decodes()
@@ -174,7 +174,7 @@ class Scheduler:
             budget -= len(ids) - cached
         if decodes and len(prefills) == 1 and self.prefill_alone is not None:
             seq, toks = prefills[0]
-            if len(toks) == len(seq.all_ids) and self.prefill_alone(len(toks)):  # fresh: nothing cached
+            if self.prefill_alone(len(toks), len(seq.all_ids) - len(toks)):  # new tokens, cached ones
                 if not speculating:  # no rebuild to keep the drafter outputs their chains start from (spec/speculator.py):
                     for waits in decodes:  # they draft again after a step that rebuilds them
                         waits.draft_ok = False

@@ -188,14 +188,18 @@ def test_prefix_cache_on_equals_off(ckpt: Path, reference: list[list[int]], spec
     assert engine.kv.num_free_blocks() == engine.kv.pool.num_blocks
 
 
-def test_state_after_a_hit_equals_a_fresh_prefill(ckpt: Path) -> None:
-    engine = _engine(ckpt, spec=True)
+@pytest.mark.parametrize("padded", [0, 512], ids=["eager", "padded"])
+def test_state_after_a_hit_equals_a_fresh_prefill(ckpt: Path, padded: int) -> None:
+    """After a hit, the slot holds a fresh prefill's state, the rest prefilled eagerly or padded (a
+    prefill graph's path after a prefix hit: its state from the restored snapshot)."""
+    engine = _engine(ckpt, spec=True, prefill_graph_tokens=padded)
     first, second = _prompts()[0], _prompts()[2]  # share the 40-token system prompt: a 32-token hit
     engine.generate([first], _params())
     restored = engine.snapshots.restored
     rid = engine.add_request(second, _params())
     engine.step()  # admission (hit + restore) and the prefill of the rest
     assert engine.snapshots.restored == restored + 1 and engine.stats["prefix_hit_tokens"] == 32
+    assert engine.stats["padded_hit_prefills"] == (1 if padded else 0)
     seq = engine._seqs[rid]
     conv, ssm = _fresh_state(engine, second)
     torch.testing.assert_close(engine.ssm.conv[seq.ssm_slot], conv, atol=TOL, rtol=TOL)
@@ -325,6 +329,7 @@ def test_padded_prefills_with_the_prefix_cache_equal_eager_ones(ckpt: Path, refe
         assert outs == reference, f"round {rnd}"
     stats = engine.stats
     assert stats["padded_prefills"] >= 8 and stats["ssm_snapshots_restored"] > 0 and stats["prefix_hit_tokens"] >= 8 * 32, stats
+    assert stats["padded_hit_prefills"] > 0  # alone in their step after a hit: padded from the restored state
     assert _assert_snapshots_are_their_prefixes(engine) > 0
 
 

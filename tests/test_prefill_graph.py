@@ -90,23 +90,59 @@ def test_greedy_tokens_after_a_padded_prefill_equal_the_eager_engines(mode: str)
     padded.kv.check_invariants()
 
 
-def test_steps_that_are_no_fresh_prefill_stay_eager() -> None:
-    """A prefix hit (the prompt's blocks cached) and prompts past the cap together (2 x 512 > 512): not
-    padded; two short prompts in one step: padded rows; a hybrid's fresh prompt: padded."""
+def test_which_steps_prefill_padded() -> None:
+    """Padded: a fresh prompt, two short fresh prompts in one step (rows of 128), a prompt alone after a
+    prefix hit (a graph per length and context width), a hybrid's fresh prompt. Eager: prompts past the
+    cap together (2 x 512 > 512), two prompts in one step where one hit the cache, a hit whose context
+    and padded length pass the widest context (the model's 2,048 positions here)."""
     prompts = _prompts(2, (40, 70))
     llama = _engine("shell", 512)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     first = llama.generate([prompts[0] * 2], params)[0].token_ids
     assert llama.stats["padded_prefills"] == 1
-    assert llama.generate([prompts[0] * 2], params)[0].token_ids == first  # a prefix hit: eager over the rest
-    assert llama.stats["padded_prefills"] == 1 and llama.stats["prefix_hit_tokens"] > 0
+    assert llama.generate([prompts[0] * 2], params)[0].token_ids == first  # a prefix hit: padded after its context
+    assert llama.stats["padded_prefills"] == 2 and llama.stats["padded_hit_prefills"] == 1 and llama.stats["prefix_hit_tokens"] == 64
     llama.generate([p[::-1] for p in prompts], params)  # one step of two fresh prompts: rows of 128 (cap 512)
-    assert llama.stats["padded_prefills"] == 2
+    assert llama.stats["padded_prefills"] == 3
     llama.generate([p[::-1] * 4 for p in prompts], params)  # 160 and 280 tokens: 2 x 512 > 512
-    assert llama.stats["padded_prefills"] == 2
+    llama.generate([prompts[0] * 2 + [5], prompts[1][::-1] * 2], params)  # a hit beside a fresh prompt
+    assert llama.stats["padded_prefills"] == 3
+    long = _prompts(3, (1700,))[0]
+    llama.generate([long], SamplingParams(max_tokens=1))  # eager: past the cap
+    llama.generate([long[:1600] + prompts[1] * 4], params)  # 1,600 cached + 280 new padded to 512 > 2,048
+    assert llama.stats["padded_prefills"] == 3 and llama.stats["prefix_hit_tokens"] >= 64 + 1600
     hybrid, eager = _engine("cpp", 512), _engine("cpp", 0)  # a hybrid's fresh prompt: padded too
     assert hybrid.generate([prompts[1]], params)[0].token_ids == eager.generate([prompts[1]], params)[0].token_ids
     assert hybrid.stats["padded_prefills"] == 1
+
+
+def _hit_prefill(engine: Engine, cached: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runner's step for `new` after `cached` (put in the KV cache by an eager step first) -> (its
+    last logits row, hidden states, the K of every layer it wrote)."""
+    kv = engine.kv
+    assert kv.add_sequence(950, cached + new) == 0
+    kv.reserve(950, len(cached))
+    engine.runner.run([BatchRow(950, cached, True, -1)], static=False)
+    kv.commit(950, cached, len(cached))
+    kv.reserve(950, len(new))
+    res = engine.runner.run([BatchRow(950, new, True, -1)])
+    slots = torch.tensor(kv.slot_mapping(950, len(cached), len(new)))
+    k = kv.k.view(kv.k.shape[0], -1, *kv.k.shape[3:])[:, slots].float().cpu()
+    kv.free(950)
+    return res.logits[0].cpu(), res.hidden.float().cpu(), k
+
+
+def test_a_padded_prefill_after_a_prefix_hit_computes_the_eager_ones() -> None:
+    """New tokens after 16-1,000 cached ones, padded to 128-512 and attending over contexts gathered at
+    widths 256-2,048: the last logits row, every new token's hidden state and the K it wrote equal the
+    eager step's to fp32 noise; 1,700 cached + 300 new (padded: 2,212 past the 2,080 positions): eager."""
+    padded, eager = _engine("shell", 512), _engine("shell", 0)
+    cases = [(16, 5), (100, 40), (127, 129), (250, 6), (1000, 300), (1700, 300)]
+    for i, (c, q) in enumerate(cases):
+        cached, new = _prompts(100 + i, (c, q))
+        for x, y in zip(_hit_prefill(padded, cached, new), _hit_prefill(eager, cached, new)):
+            assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4, rtol=1e-4), (c, q, (x - y).abs().max())
+    assert padded.stats["padded_hit_prefills"] == 5 and eager.stats["padded_prefills"] == 0
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
@@ -145,8 +181,8 @@ def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
 def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None:
     """A lone fresh prompt that arrives while others decode prefills in a step of its own (a graph on a
     GPU, where the mixed step would run eagerly); the decodes wait that one step (speculating: their
-    next chains start from the drafter's outputs kept from before it). Two prompts arriving together or
-    a prefix hit keep the mixed step. A speculating engine whose arrival step does not speculate (a
+    next chains start from the drafter's outputs kept from before it); so does one after a prefix hit.
+    Two prompts arriving together keep the mixed step. A speculating engine whose arrival step does not speculate (a
     switch) drafts again after it. Greedy tokens equal the eager engine's."""
     a, b, c, d = _prompts(5, (30, 50, 40, 90))
     padded, eager = _engine("shell", 256, mode), _engine("shell", 0, mode)
@@ -176,8 +212,8 @@ def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None
             padded.step()
     hits = padded.stats["prefix_hit_tokens"]
     other = [t + 1 for t in a]  # a prompt not seen before
-    toks, rows = _staggered(padded, [other], [d[:80] + [7]])  # a prefix hit of d's 5 blocks: mixed
-    assert padded.stats["prefix_hit_tokens"] == hits + 80 and rows == 2
+    toks, rows = _staggered(padded, [other], [d[:80] + [7]])  # a prefix hit of d's 5 blocks: alone too
+    assert padded.stats["prefix_hit_tokens"] == hits + 80 and rows == 1 and padded.stats["padded_hit_prefills"] >= 1
     assert toks == _staggered(eager, [other], [d[:80] + [7]])[0]
 
 
@@ -193,7 +229,9 @@ def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.d
     graphs = padded.runner.graphs
     prefills = lambda: [key for key in graphs.keys() if key[0] == "prefill"]  # noqa: E731
     shapes = [(1, 128), (1, 256), (1, 512), (2, 128), (2, 256), (4, 128)]  # max_num_seqs 4, cap 512 tokens
-    assert padded.runner.capture_prefills() == 6 and prefills() == [("prefill", *s) for s in shapes]
+    widths = [256, 512, 1024, 2048, 2080]  # context widths up to the block tables' 2,080 positions
+    hits = [(1, n, w) for n in (128, 256, 512) for w in widths if w >= 2 * n]  # one prompt after a prefix hit
+    assert padded.runner.capture_prefills() == 18 and prefills() == [("prefill", *s) for s in shapes + hits]
     assert padded.runner.capture_prefills() == 0  # captured once
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = _prompts(3, (5, 127, 200, 511))
@@ -203,7 +241,7 @@ def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.d
         return [engine.generate([p], params)[0].token_ids for p in prompts] + [o.token_ids for o in engine.generate(together, params)]
 
     spec = run(padded)
-    assert len(prefills()) == 6 and padded.stats["padded_prefills"] == 5  # replayed: no capture in a request
+    assert len(prefills()) == 18 and padded.stats["padded_prefills"] == 5  # replayed: no capture in a request
     plain = _engine(domain, 512, "off", dtype)
     assert run(plain) == spec and plain.stats["padded_prefills"] == 5
     if dtype == torch.float32:
@@ -212,18 +250,22 @@ def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.d
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs: CANTATA_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_a_hybrids_prefix_hits_restore_states_its_prefill_graphs_made(mode: str) -> None:
-    """On a GPU, fp32, the cpp hybrid: a fresh prompt prefilled by a graph leaves snapshots on its grid;
-    prompts sharing its head hit them (eager over the rest), with the tokens of an engine without the
-    prefix cache or padding."""
+def test_prefix_hits_prefill_through_graphs_too(mode: str, domain: str) -> None:
+    """On a GPU, fp32: a fresh prompt prefilled by a graph (the cpp hybrid: leaving snapshots on its
+    grid); prompts sharing its head hit its blocks and prefill the rest through the graphs after a hit
+    (the hybrid's from the restored state), with the tokens of an engine without the prefix cache or
+    padding."""
     head = _prompts(5, (100,))[0]
     prompts = [head + t for t in _prompts(6, (3, 30, 70))]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    padded = _engine("cpp", 512, mode)
+    padded = _engine(domain, 512, mode)
     outs = [padded.generate([p], params)[0].token_ids for p in prompts]
     stats = padded.stats
-    assert stats["padded_prefills"] == 1 and stats["ssm_snapshots_restored"] == 2 and stats["prefix_hit_tokens"] == 2 * 96, stats
-    eager = _engine("cpp", 0, mode, enable_prefix_cache=False)
+    assert stats["padded_prefills"] == 3 and stats["padded_hit_prefills"] == 2 and stats["prefix_hit_tokens"] == 2 * 96, stats
+    eager = _engine(domain, 0, mode, enable_prefix_cache=False)
     assert outs == [eager.generate([p], params)[0].token_ids for p in prompts]
-    padded.snapshots.check_invariants()
+    if domain == "cpp":
+        assert stats["ssm_snapshots_restored"] == 2
+        padded.snapshots.check_invariants()

@@ -7,8 +7,8 @@ paged KV) or a Mamba2 mixer whose states live in an SSMCache slot per sequence:
 
 * prefill sequences: one `mamba2_prefill` each, continuing from the slot's state (chunked prefill),
   and the final state is written to the slot at once (with the states on the snapshot grid the
-  prefix cache wants, `ssm.prefill_counts`, held in the cache: state/ssm_snapshots.py); fresh prompts
-  padded to one length (a prefill graph's) in one `mamba2_prefill_padded`;
+  prefix cache wants, `ssm.prefill_counts`, held in the cache: state/ssm_snapshots.py); prompts padded
+  to one length (a prefill graph's) in one `mamba2_prefill_padded`;
 * decode / verify sequences (q = 1 or K+1 tokens): one batched `mamba2_multi_step` (shorter
   sequences padded at the end: states are causal, the padding never reaches an accepted state),
   the per-token states staged with `ssm.stage`; the engine calls `ssm.commit(slots, num_accepted)`
@@ -94,14 +94,17 @@ class BambaModel(DecoderBase):
         y, _, _ = mamba2_multi_step(p, x.view(B, q, -1), conv, state, slots=slots, out=(out.conv[:, :, layer], out.ssm[:, :, layer]))
         return y.reshape(B * q, -1)
 
-    def _mamba_fresh(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
-        """Fresh prompts padded to one length (batch.fresh_rows, specialists/prefill_graph.py): from zero
-        states, each row's state after its prompt written to its slot here (padding rows: the scratch slot),
-        the snapshot grid's states to batch.held_out [Bp, k, L, ...] (ops/mamba2_padded.py)."""
-        B, n, held = batch.num_seqs, batch.max_query_len, batch.held_out
-        y, conv, state, conv_at, ssm_at = mamba2_prefill_padded(p, x.view(B, n, -1), batch.context_lens,
-                                                                held.stride if held is not None else 0)
-        ssm.conv[:, layer].index_copy_(0, batch.ssm_slots, conv.to(ssm.conv.dtype))
+    def _mamba_padded(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm) -> torch.Tensor:
+        """Prompts padded to one length (batch.fresh_rows or context_rows, specialists/prefill_graph.py):
+        from the states in their slots (zeros, or a prefix hit's snapshot), each row's state after its
+        prompt written to its slot here (padding rows: the scratch slot), the snapshot grid's states to
+        batch.held_out [Bp, k, L, ...] (ops/mamba2_padded.py)."""
+        B, n, held, slots = batch.num_seqs, batch.max_query_len, batch.held_out, batch.ssm_slots
+        lens = batch.context_lens.long() - batch.positions.view(B, n)[:, 0]  # each row's new tokens
+        y, conv, state, conv_at, ssm_at = mamba2_prefill_padded(
+            p, x.view(B, n, -1), lens, held.stride if held is not None else 0,
+            ssm.conv[:, layer].index_select(0, slots).to(x.dtype), ssm.ssm[:, layer].index_select(0, slots))
+        ssm.conv[:, layer].index_copy_(0, slots, conv.to(ssm.conv.dtype))
         ssm.ssm[:, layer].index_copy_(0, batch.ssm_slots, state)
         if conv_at is not None:
             held.conv[:, :, layer].copy_(conv_at)
@@ -112,8 +115,8 @@ class BambaModel(DecoderBase):
         """x [T, d] normed -> mixer output [T, d]; prefills write their slots, the rest is staged."""
         if batch.static:
             return self._mamba_static(p, layer, x, batch, ssm)
-        if batch.fresh_rows:
-            return self._mamba_fresh(p, layer, x, batch, ssm)
+        if batch.fresh_rows or batch.context_rows:
+            return self._mamba_padded(p, layer, x, batch, ssm)
         out = torch.empty_like(x)
         qsl = [0]  # host copies: no device sync inside the forward
         for n in batch.query_lens:

@@ -72,6 +72,10 @@ class ForwardBatch:
     # every row a prompt with nothing cached, padded to max_query_len (specialists/prefill_graph.py): each
     # attends over its own k and v (ops/attention.attends_own_kv), the rows laid out max_query_len apart
     fresh_rows: bool = False
+    # every row a prompt's new tokens after its cached prefix (a prefix hit's remainder), padded to
+    # max_query_len and laid out as fresh_rows are; each attends over its context gathered from the pool at
+    # the width max_context_len, masked by its positions (specialists/prefill_graph.py)
+    context_rows: bool = False
     # a hybrid's fresh rows with the prefix cache on: HeldStates, where its Mamba layers put the states on
     # the snapshot grid (state/ssm_snapshots.py) that the runner then holds for the step's snapshots
     held_out: Any = None

@@ -99,13 +99,13 @@ def paged_attention_torch(
     # queries, padded: [B, max_q, H_q, D]; padded rows sit at position 0 (one valid key, no NaN)
     if max_q == 1:  # decode: one token per sequence, in sequence order
         qp = q[:, None]
-    elif B == 1 or batch.static or batch.fresh_rows:  # one sequence (a verify, a prefill), or rows of one length: in order
+    elif B == 1 or batch.static or batch.fresh_rows or batch.context_rows:  # one sequence, or rows of one length: in order
         qp = q.view(B, max_q, hq, d)
     else:
         qp = q.new_zeros(B, max_q, hq, d)
         qp[batch.token_seq, batch.token_qidx] = q
 
-    if q.is_cuda and (B == 1 or batch.fresh_rows) and max_q > 1 and batch.is_prefill[0]:  # a prefill's new tokens end its context
+    if q.is_cuda and (B == 1 or batch.fresh_rows) and max_q > 1 and batch.is_prefill[0] and not batch.context_rows:  # they end its context
         mask = causal_lower_right(max_q, max_ctx)  # flash attention takes it; a tensor mask it refuses
         # (a verify keeps the tensor mask, the path a decode of the same sequence takes)
     out = sdpa(
@@ -118,7 +118,7 @@ def paged_attention_torch(
     )  # [B, H_q, max_q, D]
     if max_q == 1:
         return out[:, :, 0]  # [T = B, H_q, D]
-    if B == 1 or batch.static or batch.fresh_rows:
+    if B == 1 or batch.static or batch.fresh_rows or batch.context_rows:
         return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
 
@@ -244,7 +244,7 @@ def _metadata(batch: ForwardBatch, bs: int, device: torch.device) -> tuple[torch
     j = torch.arange(max_ctx, device=device)
     ctx = batch.context_lens.to(device).long()  # [B]
     invalid = (j[None, :] >= ctx[:, None])[..., None, None]  # [B, max_ctx, 1, 1]
-    if max_q == 1 or batch.static:  # rows of one length: the positions in row order
+    if max_q == 1 or batch.static or batch.context_rows:  # rows of one length: the positions in row order
         qpos = batch.positions.to(device).view(B, max_q)  # [B, max_q]
     else:
         qpos = torch.zeros(B, max_q, dtype=torch.long, device=device)
