@@ -29,6 +29,7 @@ runner.static).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -117,6 +118,8 @@ class PrefillGraphs:
     @torch.inference_mode()
     def run(self, rows: list, shape: tuple[int, int, int]) -> StepResult:
         bp, length, width = shape
+        if self.runner.graphs.enabled and not self.runner.graphs.has(self._key(*shape)):
+            self._capture(shape)  # on padding rows: a capture runs the forward twice, and a hybrid's reads its slots
         kv = self.runner.kv
         tables, starts = [kv.block_table(r.seq_id) for r in rows], [kv.num_computed(r.seq_id) for r in rows]
         self.steps += 1
@@ -136,19 +139,24 @@ class PrefillGraphs:
         return StepResult(logits[: len(rows)], hidden[index], real)
 
     @torch.inference_mode()
-    def capture(self, row: Any) -> int:
-        """Every shape's graph, on rows of `row` (a one-token prompt the runner places in the scratch
-        block; after a prefix hit, its context the scratch block again and again) -> how many were captured."""
-        runner, n, scratch, bs = self.runner, 0, self.runner.kv.scratch_block, self.runner.kv.block_size
-        if not runner.graphs.enabled:
+    def capture(self) -> int:
+        """Every shape's graph -> how many were captured."""
+        if not self.runner.graphs.enabled:
             return 0
-        for bp, length, width in self.shapes():
-            if not runner.graphs.has(self._key(bp, length, width)):
-                table = [scratch] * max(1, width // bs)
-                self._replay(self._build([row] * bp, bp, length, width, [table] * bp, [max(width - length, 0)] * bp))
-                n += 1
+        missing = [s for s in self.shapes() if not self.runner.graphs.has(self._key(*s))]
+        for shape in missing:
+            self._capture(shape)
+        return len(missing)
+
+    def _capture(self, shape: tuple[int, int, int]) -> None:
+        """A shape's graph on padding rows: one-token prompts in the scratch block and slot (after a
+        prefix hit, their context the scratch block again and again)."""
+        bp, length, width = shape
+        kv = self.runner.kv
+        table, slot = [kv.scratch_block] * max(1, width // kv.block_size), self.runner.ssm.scratch_slot if self.runner.ssm else -1
+        pad = SimpleNamespace(seq_id=-1, tokens=[0], ssm_slot=slot)
+        self._replay(self._build([pad] * bp, bp, length, width, [table] * bp, [max(width - length, 0)] * bp))
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
-        return n
 
     @staticmethod
     def _key(bp: int, length: int, width: int) -> tuple:

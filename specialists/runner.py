@@ -373,8 +373,7 @@ class Runner:
 
     def capture_prefills(self) -> int:
         """A fresh prompt's prefill graph at every padded length (prefill_graph.py) -> how many were captured."""
-        slot = self.ssm.scratch_slot if self.ssm is not None else -1  # a hybrid's capture writes the scratch slot
-        return self.prefills.capture(BatchRow(-1, [0], True, slot)) if self.prefills is not None else 0
+        return self.prefills.capture() if self.prefills is not None else 0
 
     def static_outputs(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None) -> StaticOutputs | None:
         """The outputs of the captured step graph of that shape (None if not captured)."""
