@@ -145,26 +145,6 @@ def test_a_padded_prefill_after_a_prefix_hit_computes_the_eager_ones() -> None:
     assert padded.stats["padded_hit_prefills"] == 5 and eager.stats["padded_prefills"] == 0
 
 
-@pytest.mark.skipif(not CUDA, reason="the static kernel is Triton's: CANTATA_TEST_DEVICE=cuda")
-def test_a_hit_prefill_in_half_precision_takes_the_static_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on a GPU: a prompt's tokens after a prefix hit attend through attention_cuda's kernel (a
-    program per token, KV head and key chunk) in the prefill graph; the first token's logits and the
-    hidden states match the eager step's (the memory-efficient kernel over the gathered context) to
-    bf16 rounding, and the greedy first token is the same."""
-    from specialists.ops import attention_cuda
-
-    calls = []
-    kernel = attention_cuda.paged_attention_static
-    monkeypatch.setattr(attention_cuda, "paged_attention_static", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
-    padded, eager = _engine("shell", 512, dtype=torch.bfloat16), _engine("shell", 0, dtype=torch.bfloat16)
-    for i, (c, q) in enumerate([(100, 40), (250, 6), (1000, 300)]):
-        cached, new = _prompts(200 + i, (c, q))
-        calls.clear()
-        (la, ha, _), (lb, hb, _) = _hit_prefill(padded, cached, new), _hit_prefill(eager, cached, new)
-        assert calls and set(calls) == {128 if q <= 128 else 512}, calls  # every layer, the padded rows
-        assert la.argmax() == lb.argmax() and torch.nn.functional.cosine_similarity(ha, hb, dim=-1).min() > 0.99
-
-
 def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
                during: str | None = None) -> tuple[list[list[int]], int]:
     """prompts start together; after 3 steps the `late` ones arrive together (the steps until they are

@@ -14,7 +14,6 @@ Triton kernel (attention_cuda.py); everything else takes the torch path.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from typing import Any, Callable
 
@@ -264,28 +263,10 @@ def use_static_kernel(q: torch.Tensor, batch: ForwardBatch) -> bool:
     return batch.static and q.dtype in HALF
 
 
-CONTEXT_KERNEL_MIB = 256  # the partials a prefix hit's padded prefill may give the static kernel (see below)
-
-
-def context_kernel(q: torch.Tensor, k_cache_layer: torch.Tensor, batch: ForwardBatch) -> bool:
-    """A prompt's new tokens after a prefix hit (batch.context_rows) in half precision take the static
-    kernel too: a program per (token, KV head, 64-key chunk) reading the pool, where the memory-efficient
-    kernel over the gathered context has a program per (64-query block, head) walk every key in turn.
-    Where the chunks' partials fit CONTEXT_KERNEL_MIB (llama-1b: 128 tokens over 2,048 keys, 138 MB);
-    CANTATA_CONTEXT_KERNEL=0: never (A/B runs)."""
-    if not (batch.context_rows and q.dtype in HALF) or os.environ.get("CANTATA_CONTEXT_KERNEL", "1") == "0":
-        return False
-    T, hq, hd = q.shape
-    hkv = k_cache_layer.shape[2]
-    rows = max(16, 1 << (hq // hkv - 1).bit_length())  # the kernel's BLOCK_Q
-    return T * hkv * -(-batch.max_context_len // 64) * rows * (hd + 2) * 4 <= CONTEXT_KERNEL_MIB << 20
-
-
 def _paged_attention_cuda(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
                           batch: ForwardBatch, scale: float | None = None, fresh=None) -> torch.Tensor:
-    """Static half-precision batches (and a prefix hit's padded prefill, context_kernel) through the
-    Triton kernel (attention_cuda.py), the rest in torch."""
-    if use_static_kernel(q, batch) or context_kernel(q, k_cache_layer, batch):
+    """Static half-precision batches through the Triton kernel (attention_cuda.py), the rest in torch."""
+    if use_static_kernel(q, batch):
         from specialists.ops.attention_cuda import paged_attention_static  # Triton: a GPU install has it
 
         return paged_attention_static(q, k_cache_layer, v_cache_layer, batch, scale)
