@@ -1,4 +1,4 @@
-"""Fresh prompts' prefills as CUDA graphs, at padded lengths.
+"""Prompts' prefills as CUDA graphs, at padded lengths: fresh ones, and one after a prefix hit.
 
 An eager prefill runs at the host's pace: SmolLM2-135M's 30 layers are ~380 kernels at ~25-50 us of
 host time each, so a 142-token prefill took 11-19 ms on an H100 of which 1.9 ms on the device
@@ -16,6 +16,13 @@ bucket, length), each prompt a row padded to the longest's length:
 - a hybrid's Mamba layers run the padding with dt = 0, which leaves the state as the prompt left it,
   write each row's states to its slot in the graph, and put the states on the prefix cache's snapshot
   grid into `held` (ops/mamba2_padded.py), which `run` hands to the SSM cache for the step's snapshots.
+
+One prompt alone in its step after a prefix hit of c tokens is padded the same way, at positions c
+onwards, and replayed as one graph per (length, context width): its layers attend over the context
+gathered from the pool at the width (batch.context_rows: masked by position), a hybrid's Mamba layers
+start from the snapshot restored into its slot (a hit ends on the snapshot grid, so the grid's counts
+run from its start). Every graph is captured on padding rows (scratch block and slot), also when a
+request meets a shape first: a capture runs the forward twice, and a hybrid's reads its slot.
 
 The padded prefill's products have more rows than the prompt, so in half precision its results may
 differ in the last bits from an eager prefill of the same prompt (cuBLAS picks its kernels by the
