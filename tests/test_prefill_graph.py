@@ -119,16 +119,22 @@ def test_which_steps_prefill_padded() -> None:
 def _hit_prefill(engine: Engine, cached: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The runner's step for `new` after `cached` (put in the KV cache by an eager step first) -> (its
     last logits row, hidden states, the K of every layer it wrote)."""
-    kv = engine.kv
+    kv, ssm = engine.kv, engine.ssm
+    slot = ssm.allocate() if ssm is not None else -1  # a hybrid: its state after `cached` stays in the slot
     assert kv.add_sequence(950, cached + new) == 0
     kv.reserve(950, len(cached))
-    engine.runner.run([BatchRow(950, cached, True, -1)], static=False)
+    engine.runner.run([BatchRow(950, cached, True, slot)], static=False)
     kv.commit(950, cached, len(cached))
     kv.reserve(950, len(new))
-    res = engine.runner.run([BatchRow(950, new, True, -1)])
+    res = engine.runner.run([BatchRow(950, new, True, slot)])
     slots = torch.tensor(kv.slot_mapping(950, len(cached), len(new)))
     k = kv.k.view(kv.k.shape[0], -1, *kv.k.shape[3:])[:, slots].float().cpu()
     kv.free(950)
+    if ssm is not None:
+        state = ssm.ssm[slot].clone()
+        assert torch.isfinite(state).all()
+        ssm.free(slot)
+        k = torch.cat([k.flatten(), state.flatten().cpu()])  # compared with the K
     return res.logits[0].cpu(), res.hidden.float().cpu(), k
 
 
@@ -143,6 +149,29 @@ def test_a_padded_prefill_after_a_prefix_hit_computes_the_eager_ones() -> None:
         for x, y in zip(_hit_prefill(padded, cached, new), _hit_prefill(eager, cached, new)):
             assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4, rtol=1e-4), (c, q, (x - y).abs().max())
     assert padded.stats["padded_hit_prefills"] == 5 and eager.stats["padded_prefills"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="flash attention's variable-length form: CANTATA_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
+def test_a_hit_prefill_in_half_precision_takes_flash_attention(monkeypatch: pytest.MonkeyPatch, domain: str) -> None:
+    """bf16 on a GPU: a prompt's tokens after a prefix hit attend through flash attention's variable-length
+    form in the prefill graph (lengths on the device); the first token's logits and every new token's
+    hidden state match the eager step's (the memory-efficient kernel over the gathered context) to bf16
+    rounding, the greedy first token is the same, and the hybrid's slot holds finite states close to the
+    eager step's (the padding's rows come out zero, not uninitialized, before its Mamba layers)."""
+    from specialists.ops import attention
+
+    calls = []
+    after_hit = attention._after_hit
+    monkeypatch.setattr(attention, "_after_hit", lambda q, *a: calls.append(q.shape[0]) or after_hit(q, *a))
+    padded, eager = _engine(domain, 512, dtype=torch.bfloat16), _engine(domain, 0, dtype=torch.bfloat16)
+    for i, (c, q) in enumerate([(96, 40), (256, 6), (992, 300)]):  # the cpp hybrid's hits end on its 16-token grid
+        cached, new = _prompts(200 + i, (c, q))
+        calls.clear()
+        (la, ha, ka), (lb, hb, kb) = _hit_prefill(padded, cached, new), _hit_prefill(eager, cached, new)
+        assert calls and set(calls) == {128 if q <= 128 else 512}, calls  # every attention layer, the padded rows
+        assert la.argmax() == lb.argmax() and torch.nn.functional.cosine_similarity(ha, hb, dim=-1).min() > 0.99
+        assert torch.nn.functional.cosine_similarity(ka, kb, dim=0) > 0.99  # the K written (and the hybrid's state)
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],

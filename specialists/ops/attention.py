@@ -92,6 +92,8 @@ def paged_attention_torch(
     if batch.row_exact and not batch.static and q.device.type == "cpu":
         return _rows_as_decodes(q, k, v, batch, scale, hq != hkv)
 
+    if batch.context_rows and q.is_cuda and B == 1 and q.dtype in HALF:  # a prefix hit's padded prefill
+        return _after_hit(q, k[0], v[0], batch, scale)
     if batch.static:  # rows of one length (a CUDA graph's batch): two batched products, few kernels
         bias = _static_bias(batch, mask, q.dtype)
         return grouped_attention(q.view(B, max_q, hq, d), k, v, bias, d ** -0.5 if scale is None else scale).view(T, hq, d)
@@ -121,6 +123,27 @@ def paged_attention_torch(
     if B == 1 or batch.static or batch.fresh_rows or batch.context_rows:
         return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
+
+
+def _after_hit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float | None) -> torch.Tensor:
+    """One prompt's new tokens after a prefix hit, padded to max_query_len (batch.context_rows), over its
+    context k, v [W, H_kv, D] gathered at the static width W: flash attention's variable-length form,
+    whose lengths are device tensors (a CUDA graph's), q_len new tokens over c + q_len keys, causal from
+    the bottom right (token i sees keys [0, c + i]); the padding's rows come out zero. The memory-
+    efficient kernel with a position mask took ~115 us a layer here at a 2,048-key context on an H100
+    (a program per 64 queries and head walks every key; bench/RESULTS.md, session 26)."""
+    T, hq, d = q.shape
+    cache = batch.__dict__["_attn_meta"]
+    if "hit" not in cache:  # once per step: [0, q_len], [0, c + q_len], the real rows
+        ctx = batch.context_lens[:1].int()
+        q_len = ctx - batch.positions[:1].int()
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+        cache["hit"] = (torch.cat([zero, q_len]), torch.cat([zero, ctx]),
+                        (torch.arange(T, device=q.device) < q_len)[:, None, None])
+    cu_q, cu_k, real = cache["hit"]
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, T, k.shape[0], 0.0, True, False,
+                                                  scale=d ** -0.5 if scale is None else scale)[0]
+    return torch.where(real, out, 0.0)
 
 
 def _rows_as_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float | None,
