@@ -13,6 +13,7 @@ Triton kernel (attention_cuda.py); everything else takes the torch path.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any, Callable
@@ -91,8 +92,7 @@ def paged_attention_torch(
     k, v = k.to(q.dtype), v.to(q.dtype)
     if batch.row_exact and not batch.static and q.device.type == "cpu":
         return _rows_as_decodes(q, k, v, batch, scale, hq != hkv)
-
-    if batch.context_rows and q.is_cuda and B == 1 and q.dtype in HALF:  # a prefix hit's padded prefill
+    if batch.context_rows and B == 1 and _flash_varlen(q):  # a prefix hit's padded prefill
         return _after_hit(q, k[0], v[0], batch, scale)
     if batch.static:  # rows of one length (a CUDA graph's batch): two batched products, few kernels
         bias = _static_bias(batch, mask, q.dtype)
@@ -123,6 +123,17 @@ def paged_attention_torch(
     if B == 1 or batch.static or batch.fresh_rows or batch.context_rows:
         return out.transpose(1, 2).reshape(T, hq, d)  # [T, H_q, D]
     return out.transpose(1, 2)[batch.token_seq, batch.token_qidx]  # [T, H_q, D]
+
+
+def _flash_varlen(q: torch.Tensor) -> bool:
+    """Whether flash attention runs q: CUDA, half precision, an sm80+ device, head dim <= 256 and a multiple of 8."""
+    return (q.is_cuda and q.dtype in HALF and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+            and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _after_hit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float | None) -> torch.Tensor:
