@@ -101,26 +101,30 @@ class PrefillGraphs:
         w = context_width(cached + length, self.runner.max_context_width)
         return w if cached + length <= w else None
 
-    def fits(self, n: int, cached: int = 0) -> bool:
-        """Whether a prompt of n new tokens after `cached` ones alone in its step prefills padded (the
-        scheduler then runs it apart from the running decodes: specialists/scheduler.py)."""
-        length = prefill_length(n, self.cap)
-        return length is not None and (not cached or self._width(cached, length) is not None)
+    def fits(self, new: list[int], cached: list[int]) -> bool:
+        """Whether prompts of these new and cached token counts, alone in their step, prefill as a graph
+        (the scheduler forms such steps apart from the running decodes: specialists/scheduler.py)."""
+        return self._plan(new, cached) is not None
 
-    def shape(self, rows: list, static: bool) -> tuple[int, int, int] | None:
-        """(row bucket, padded length, context width) of a step of `rows` (runner.BatchRow), None unless
-        every row is a fresh prompt (nothing cached; width 0) and they fit a graph, or the step is one
-        prompt after a prefix hit that fits one."""
-        if not static or not rows or any(not r.prefill or r.k for r in rows) or len(rows) > self.max_rows:
+    def _plan(self, new: list[int], cached: list[int]) -> tuple[int, int, int] | None:
+        """(row bucket, padded length, context width; 0: fresh) of a step of prompts with these new and
+        cached token counts: fresh ones, up to max_rows of them, or one after a prefix hit; None: eager."""
+        if not new or len(new) > self.max_rows:
             return None
-        bp, length = bucket_size(len(rows)), prefill_length(max(len(r.tokens) for r in rows), self.cap)
+        bp, length = bucket_size(len(new)), prefill_length(max(new), self.cap)
         if length is None or bp * length > self.cap:
             return None
-        cached = [self.runner.kv.num_computed(r.seq_id) for r in rows]
         if not any(cached):
             return bp, length, 0
-        width = self._width(cached[0], length) if len(rows) == 1 else None
+        width = self._width(cached[0], length) if len(new) == 1 else None
         return (1, length, width) if width is not None else None
+
+    def shape(self, rows: list, static: bool) -> tuple[int, int, int] | None:
+        """The graph shape (_plan) of a step of `rows` (runner.BatchRow), None unless every row is a
+        prompt's prefill (no drafts) and they fit a graph."""
+        if not static or not rows or any(not r.prefill or r.k for r in rows):
+            return None
+        return self._plan([len(r.tokens) for r in rows], [self.runner.kv.num_computed(r.seq_id) for r in rows])
 
     @torch.inference_mode()
     def run(self, rows: list, shape: tuple[int, int, int]) -> StepResult:

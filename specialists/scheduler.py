@@ -100,6 +100,11 @@ class ScheduledStep:
         return not self.prefills and not self.decodes
 
 
+def _counts(prefills: list[tuple[Sequence, list[int]]]) -> tuple[list[int], list[int]]:
+    """(new tokens, cached tokens) of each admitted prefill."""
+    return [len(t) for _, t in prefills], [len(s.all_ids) - len(t) for s, t in prefills]
+
+
 class Scheduler:
     def __init__(self, kv: KVCache, ssm: SSMCache | None, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
@@ -113,8 +118,10 @@ class Scheduler:
         self.draft_lookahead = False  # reserve room for a chain drafted ahead (spec/speculator.py)
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
         self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
-        # (new tokens, cached tokens) of a prompt that prefills alone (a CUDA graph: specialists/prefill_graph.py); None: never
-        self.prefill_alone: Callable[[int, int], bool] | None = None
+        # (new tokens, cached tokens) of prompts that prefill as one CUDA graph when alone in their step
+        # (specialists/prefill_graph.py); None: never. The running decodes wait one step for such a step, not two in a row
+        self.prefill_alone: Callable[[list[int], list[int]], bool] | None = None
+        self._decodes_waited = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -142,9 +149,10 @@ class Scheduler:
 
     def schedule(self, speculating: bool = False, admit: bool = True) -> ScheduledStep:
         """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
-        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). A lone
-        prompt that prefill_alone takes (fresh, or after a prefix hit) runs without the decodes (a speculating step's rebuild keeps the
-        waiting sequences' chain starts: spec/speculator.py's _rebuild)."""
+        hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). With
+        prefill_alone (prefill graphs), admission stops where the step would stop being one prefill graph,
+        and such a step runs without the decodes (a speculating step's rebuild keeps the waiting
+        sequences' chain starts: spec/speculator.py's _rebuild), unless they waited the step before."""
         usable = self._usable(speculating)
         decodes = self._schedule_decodes()
         prefills: list[tuple[Sequence, list[int]]] = []
@@ -156,6 +164,8 @@ class Scheduler:
                 break
             if not self.kv.can_allocate(len(ids) + 1) or (self.ssm is not None and self.ssm.num_free() == 0):
                 break
+            if self.prefill_alone is not None and prefills and self._ends_graph(prefills, ids, usable):
+                break  # the prompts so far run as one prefill graph; this one would make the step eager
             cached = self.kv.add_sequence(seq.seq_id, ids, usable)
             if cached and self.draft_marks is not None and not self.draft_marks.hit_marked(seq.seq_id, cached):
                 seq.drafted_all = False
@@ -172,14 +182,24 @@ class Scheduler:
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached
-        if decodes and len(prefills) == 1 and self.prefill_alone is not None:
-            seq, toks = prefills[0]
-            if self.prefill_alone(len(toks), len(seq.all_ids) - len(toks)):  # new tokens, cached ones
-                if not speculating:  # no rebuild to keep the drafter outputs their chains start from (spec/speculator.py):
-                    for waits in decodes:  # they draft again after a step that rebuilds them
-                        waits.draft_ok = False
-                return ScheduledStep(prefills, [])  # the decodes wait a step: a prefill graph, not one eager mixed step
+        if decodes and prefills and self.prefill_alone is not None and not self._decodes_waited \
+                and self.prefill_alone(*_counts(prefills)):
+            if not speculating:  # no rebuild to keep the drafter outputs their chains start from (spec/speculator.py):
+                for waits in decodes:  # they draft again after a step that rebuilds them
+                    waits.draft_ok = False
+            self._decodes_waited = True
+            return ScheduledStep(prefills, [])  # the decodes wait a step: a prefill graph, not one eager mixed step
+        self._decodes_waited = False
         return ScheduledStep(prefills, decodes)
+
+    def _ends_graph(self, prefills: list[tuple[Sequence, list[int]]], ids: list[int], usable) -> bool:
+        """Whether the fresh prompts admitted so far run as one prefill graph (up to 8 rows of one padded
+        length: specialists/prefill_graph.py) and admitting the fresh prompt `ids` too would not; the rest
+        waits a step. Prefix hits are not split off: a burst of them runs as one eager step, as before."""
+        new, cached = _counts(prefills)
+        if any(cached) or self.kv.cached_prefix(ids, usable):
+            return False
+        return self.prefill_alone(new, cached) and not self.prefill_alone(new + [len(ids)], cached + [0])
 
     def _schedule_decodes(self) -> list[Sequence]:
         scheduled: list[Sequence] = []

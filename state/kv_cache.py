@@ -151,19 +151,7 @@ class KVCache:
         table: list[int] = []
         chain: list[tuple[int, int]] = []
         if self.cfg.enable_prefix_cache:
-            hits: list[tuple[int, _pc.CacheEntry]] = []
-            parent_hash, parent_entry = _pc.ROOT_HASH, _pc.ROOT_ENTRY
-            for i in range((len(token_ids) - 1) // bs):  # empty prompt: range(-1) is empty
-                toks = tuple(token_ids[i * bs:(i + 1) * bs])
-                h = _pc.hash_block(parent_hash, toks)
-                e = self.prefix.lookup(h, parent_entry, toks)
-                if e is None:
-                    break
-                hits.append((h, e))
-                parent_hash, parent_entry = h, e.entry_id
-            found = len(hits)
-            while usable is not None and hits and not usable(hits[-1][1].entry_id):
-                hits.pop()
+            hits, found = self._prefix_hits(token_ids, usable)
             self.unusable_hit_tokens += (found - len(hits)) * bs
             for h, e in hits:
                 self.pool.incref(e.block_id)
@@ -174,6 +162,28 @@ class KVCache:
         if n:
             logger.debug("seq %d: prefix hit of %d tokens (%d blocks)", seq_id, n, len(table))
         return n
+
+    def cached_prefix(self, token_ids: list[int], usable: Callable[[int], bool] | None = None) -> int:
+        """The tokens add_sequence would find cached for this prompt; nothing is registered."""
+        return len(self._prefix_hits(token_ids, usable)[0]) * self.block_size if self.cfg.enable_prefix_cache else 0
+
+    def _prefix_hits(self, token_ids: list[int], usable: Callable[[int], bool] | None) -> tuple[list, int]:
+        """(block hash, entry) of each cached full block the prompt starts with, cut back to the longest run
+        that ends at a usable entry; and how many blocks matched before the cut."""
+        hits: list[tuple[int, _pc.CacheEntry]] = []
+        parent_hash, parent_entry, bs = _pc.ROOT_HASH, _pc.ROOT_ENTRY, self.block_size
+        for i in range((len(token_ids) - 1) // bs):  # empty prompt: range(-1) is empty
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = _pc.hash_block(parent_hash, toks)
+            e = self.prefix.lookup(h, parent_entry, toks)
+            if e is None:
+                break
+            hits.append((h, e))
+            parent_hash, parent_entry = h, e.entry_id
+        found = len(hits)
+        while usable is not None and hits and not usable(hits[-1][1].entry_id):
+            hits.pop()
+        return hits, found
 
     def reserve(self, seq_id: int, num_new_tokens: int) -> None:
         """Makes the table cover [0, num_computed + num_new_tokens); all or nothing."""

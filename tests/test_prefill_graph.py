@@ -92,9 +92,10 @@ def test_greedy_tokens_after_a_padded_prefill_equal_the_eager_engines(mode: str)
 
 def test_which_steps_prefill_padded() -> None:
     """Padded: a fresh prompt, two short fresh prompts in one step (rows of 128), a prompt alone after a
-    prefix hit (a graph per length and context width), a hybrid's fresh prompt. Eager: prompts past the
-    cap together (2 x 512 > 512), two prompts in one step where one hit the cache, a hit whose context
-    and padded length pass the widest context (the model's 2,048 positions here)."""
+    prefix hit (a graph per length and context width), a hybrid's fresh prompt; fresh prompts that one
+    graph cannot take together (2 x 512 > 512 tokens) are admitted a step apart. Eager: several prompts
+    with a hit among them, a prompt past the cap, a hit whose context and padded length pass the widest
+    context (the model's 2,048 positions here)."""
     prompts = _prompts(2, (40, 70))
     llama = _engine("shell", 512)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -104,16 +105,32 @@ def test_which_steps_prefill_padded() -> None:
     assert llama.stats["padded_prefills"] == 2 and llama.stats["padded_hit_prefills"] == 1 and llama.stats["prefix_hit_tokens"] == 64
     llama.generate([p[::-1] for p in prompts], params)  # one step of two fresh prompts: rows of 128 (cap 512)
     assert llama.stats["padded_prefills"] == 3
-    llama.generate([p[::-1] * 4 for p in prompts], params)  # 160 and 280 tokens: 2 x 512 > 512
-    llama.generate([prompts[0] * 2 + [5], prompts[1][::-1] * 2], params)  # a hit beside a fresh prompt
-    assert llama.stats["padded_prefills"] == 3
+    steps = llama.steps
+    x, y, z = _prompts(7, (160, 280, 50))  # nothing cached: 160 + 280 tokens, then a hit of 80, then 50
+    together = [x, y, prompts[0] * 2 + [5], z]
+    eager = _engine("shell", 0)
+    assert [o.token_ids for o in llama.generate(together, params)] == [o.token_ids for o in eager.generate(together, params)]
+    # 160 alone (280 more would pass the cap), then 280, the hit and 50 with the decodes: eager, as is a
+    # burst of prompts with a hit among them
+    assert llama.stats["padded_prefills"] == 4 and llama.stats["padded_hit_prefills"] == 1
+    assert llama.stats["prefix_hit_tokens"] == 64 + 80
     long = _prompts(3, (1700,))[0]
     llama.generate([long], SamplingParams(max_tokens=1))  # eager: past the cap
     llama.generate([long[:1600] + prompts[1] * 4], params)  # 1,600 cached + 280 new padded to 512 > 2,048
-    assert llama.stats["padded_prefills"] == 3 and llama.stats["prefix_hit_tokens"] >= 64 + 1600
+    assert llama.stats["padded_prefills"] == 4 and llama.stats["prefix_hit_tokens"] >= 144 + 1600 and llama.steps > steps
     hybrid, eager = _engine("cpp", 512), _engine("cpp", 0)  # a hybrid's fresh prompt: padded too
     assert hybrid.generate([prompts[1]], params)[0].token_ids == eager.generate([prompts[1]], params)[0].token_ids
     assert hybrid.stats["padded_prefills"] == 1
+
+
+def test_running_decodes_never_wait_two_steps_in_a_row() -> None:
+    """Three fresh 200-token prompts arrive among a running decode (cap 256: one a graph): the first
+    prefills alone (the decode waits), the second with the decode (eager: it waited the step before),
+    the third alone again; greedy tokens equal the eager engine's."""
+    a, *late = _prompts(8, (30, 200, 200, 200))
+    padded, eager = _engine("shell", 256), _engine("shell", 0)
+    (toks, rows), (ref, _) = _staggered(padded, [a], late), _staggered(eager, [a], late)
+    assert toks == ref and rows == 1 and padded.stats["padded_prefills"] == 3
 
 
 def _hit_prefill(engine: Engine, cached: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,8 +227,8 @@ def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],
 def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None:
     """A lone fresh prompt that arrives while others decode prefills in a step of its own (a graph on a
     GPU, where the mixed step would run eagerly); the decodes wait that one step (speculating: their
-    next chains start from the drafter's outputs kept from before it); so does one after a prefix hit.
-    Two prompts arriving together keep the mixed step. A speculating engine whose arrival step does not speculate (a
+    next chains start from the drafter's outputs kept from before it); so do one after a prefix hit and
+    two fresh ones arriving together (one graph of two rows). A speculating engine whose arrival step does not speculate (a
     switch) drafts again after it. Greedy tokens equal the eager engine's."""
     a, b, c, d = _prompts(5, (30, 50, 40, 90))
     padded, eager = _engine("shell", 256, mode), _engine("shell", 0, mode)
@@ -222,8 +239,9 @@ def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None
         fresh = [p[::-1] for p in (a, b, c)]  # no prefix hits of the run before
         (toks, rows), (ref, _) = (_staggered(e, fresh[:2], fresh[2:], "off") for e in (padded, eager))
         assert toks == ref and rows == 1 and padded.totals.as_dict()["drafted"] > drafted
-    (toks, rows), (ref, _) = _staggered(padded, [a], [b[::-1], c[::-1]]), _staggered(eager, [a], [b[::-1], c[::-1]])
-    assert toks == ref and rows == 3  # two arrivals: one mixed step
+    late = [[t + 3 for t in b], [t + 3 for t in c]]  # not seen before (b, c reversed ran above in mode on: hits)
+    (toks, rows), (ref, _) = _staggered(padded, [a], late), _staggered(eager, [a], late)
+    assert toks == ref and rows == 2  # two arrivals: one prefill graph of two rows (the decodes wait)
     for e in (padded, eager):  # d's blocks cached (and, speculating, marked as holding the drafter's entries)
         e.generate([d], SamplingParams(max_tokens=4, ignore_eos=True))
     if mode == "on":  # the waiting sequences' chain starts survive the arrival's step bit for bit
