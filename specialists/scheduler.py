@@ -197,9 +197,9 @@ class Scheduler:
         length: specialists/prefill_graph.py) and admitting the fresh prompt `ids` too would not; the rest
         waits a step. Prefix hits are not split off: a burst of them runs as one eager step, as before."""
         new, cached = _counts(prefills)
-        if any(cached) or self.kv.cached_prefix(ids, usable):
+        if any(cached) or not self.prefill_alone(new, cached) or self.prefill_alone(new + [len(ids)], cached + [0]):
             return False
-        return self.prefill_alone(new, cached) and not self.prefill_alone(new + [len(ids)], cached + [0])
+        return not self.kv.cached_prefix(ids, usable)  # looked up (hashed) only where it decides
 
     def _schedule_decodes(self) -> list[Sequence]:
         scheduled: list[Sequence] = []

@@ -103,9 +103,9 @@ class BambaModel(DecoderBase):
         lens = batch.context_lens.long() - batch.positions.view(B, n)[:, 0]  # each row's new tokens
         y, conv, state, conv_at, ssm_at = mamba2_prefill_padded(
             p, x.view(B, n, -1), lens, held.stride if held is not None else 0,
-            ssm.conv[:, layer].index_select(0, slots).to(x.dtype), ssm.ssm[:, layer].index_select(0, slots))
+            ssm.conv[:, layer].index_select(0, slots), ssm.ssm[:, layer].index_select(0, slots))
         ssm.conv[:, layer].index_copy_(0, slots, conv.to(ssm.conv.dtype))
-        ssm.ssm[:, layer].index_copy_(0, batch.ssm_slots, state)
+        ssm.ssm[:, layer].index_copy_(0, slots, state)
         if conv_at is not None:
             held.conv[:, :, layer].copy_(conv_at)
             held.ssm[:, :, layer].copy_(ssm_at)
