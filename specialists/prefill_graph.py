@@ -17,11 +17,12 @@ bucket, length), each prompt a row padded to the longest's length:
   write each row's states to its slot in the graph, and put the states on the prefix cache's snapshot
   grid into `held` (ops/mamba2_padded.py), which `run` hands to the SSM cache for the step's snapshots.
 
-One prompt alone in its step after a prefix hit of c tokens is padded the same way, at positions c
-onwards, and replayed as one graph per (length, context width): its layers attend over the context
-gathered from the pool at the width (batch.context_rows: masked by position), a hybrid's Mamba layers
-start from the snapshot restored into its slot (a hit ends on the snapshot grid, so the grid's counts
-run from its start). Every graph is captured on padding rows (scratch block and slot), also when a
+Prompts after prefix hits (row b's new tokens after its c_b cached ones; a fresh prompt among them
+has c_b = 0) are padded the same way, at positions c_b onwards, and replayed as one graph per (row
+bucket, length, context width): their layers attend over each row's context gathered from the pool at
+the width (batch.context_rows: masked by position; flash attention's variable-length form on CUDA), a
+hybrid's Mamba layers start from the snapshots restored into their slots (a hit ends on the snapshot
+grid, so the grid's counts run from its start). Every graph is captured on padding rows (scratch block and slot), also when a
 request meets a shape first: a capture runs the forward twice, and a hybrid's reads its slot.
 
 The padded prefill's products have more rows than the prompt, so in half precision its results may
@@ -76,8 +77,8 @@ class PrefillGraphs:
     runs it, `capture` captures every shape at warm-up on the scratch block. A step of several fresh
     prompts runs as one graph too: rows padded to one length, at most `cap` tokens in all, a row bucket
     of up to `max_rows` (the prompts' own batch is built apart, their hidden states gathered from the rows).
-    A prompt alone in its step after a prefix hit (its new tokens after `c` cached ones) runs as a graph
-    per (length, context width): its context gathered from the pool at the width, masked by position."""
+    Prompts after prefix hits (their new tokens after `c` cached ones) run as a graph per (row bucket,
+    length, context width): each row's context gathered from the pool at the width, masked by position."""
 
     def __init__(self, runner: Any, cap: int, max_rows: int = 1, stride: int = 0) -> None:
         """stride: a hybrid's snapshot grid (state/ssm_snapshots.py; 0: no prefix cache, nothing held)."""
@@ -92,14 +93,14 @@ class PrefillGraphs:
         """(row bucket, length, context width; 0: fresh prompts) of every graph."""
         rows = [b for b in BUCKETS if b <= self.max_rows]
         fresh = [(b, n, 0) for b in rows for n in PREFILL_LENGTHS if b * n <= self.cap]
-        return fresh + [(1, n, w) for b, n, _ in fresh if b == 1 for w in self.runner.context_widths() if w >= 2 * n]
+        return fresh + [(b, n, w) for b, n, _ in fresh for w in self.runner.context_widths() if w >= 2 * n]
 
-    def _width(self, cached: int, length: int) -> int | None:
-        """The context width of a prompt of `length` padded tokens after `cached` ones (None: no graph)."""
-        if cached and self.stride and cached % self.stride:  # a hybrid's row starts on the snapshot grid
+    def _width(self, cached: list[int], length: int) -> int | None:
+        """The context width of prompts of `length` padded tokens after `cached` ones (None: no graph)."""
+        if self.stride and any(c % self.stride for c in cached):  # a hybrid's hit rows start on the snapshot grid
             return None
-        w = context_width(cached + length, self.runner.max_context_width)
-        return w if cached + length <= w else None
+        w = context_width(max(cached) + length, self.runner.max_context_width)
+        return w if max(cached) + length <= w else None
 
     def fits(self, new: list[int], cached: list[int]) -> bool:
         """Whether prompts of these new and cached token counts, alone in their step, prefill as a graph
@@ -107,8 +108,8 @@ class PrefillGraphs:
         return self._plan(new, cached) is not None
 
     def _plan(self, new: list[int], cached: list[int]) -> tuple[int, int, int] | None:
-        """(row bucket, padded length, context width; 0: fresh) of a step of prompts with these new and
-        cached token counts: fresh ones, up to max_rows of them, or one after a prefix hit; None: eager."""
+        """(row bucket, padded length, context width; 0: fresh) of a step of up to max_rows prompts with
+        these new and cached token counts (a width where any row has a prefix hit); None: eager."""
         if not new or len(new) > self.max_rows:
             return None
         bp, length = bucket_size(len(new)), prefill_length(max(new), self.cap)
@@ -116,8 +117,8 @@ class PrefillGraphs:
             return None
         if not any(cached):
             return bp, length, 0
-        width = self._width(cached[0], length) if len(new) == 1 else None
-        return (1, length, width) if width is not None else None
+        width = self._width(cached, length)
+        return (bp, length, width) if width is not None else None
 
     def shape(self, rows: list, static: bool) -> tuple[int, int, int] | None:
         """The graph shape (_plan) of a step of `rows` (runner.BatchRow), None unless every row is a
@@ -145,7 +146,7 @@ class PrefillGraphs:
                            max_context_len=starts[0] + T, fresh_rows=False, context_rows=False, held_out=None)
             return StepResult(logits, hidden[:T], real)
         dev = self.runner.device
-        real = ForwardBatch.build([SeqStep(r.seq_id, list(r.tokens), 0, t) for r, t in zip(rows, tables)], kv.block_size, dev)
+        real = ForwardBatch.build([SeqStep(r.seq_id, list(r.tokens), c, t) for r, t, c in zip(rows, tables, starts)], kv.block_size, dev)
         index = device_ints([b * length + j for b, r in enumerate(rows) for j in range(len(r.tokens))], dev)
         return StepResult(logits[: len(rows)], hidden[index], real)
 

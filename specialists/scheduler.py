@@ -193,13 +193,14 @@ class Scheduler:
         return ScheduledStep(prefills, decodes)
 
     def _ends_graph(self, prefills: list[tuple[Sequence, list[int]]], ids: list[int], usable) -> bool:
-        """Whether the fresh prompts admitted so far run as one prefill graph (up to 8 rows of one padded
-        length: specialists/prefill_graph.py) and admitting the fresh prompt `ids` too would not; the rest
-        waits a step. Prefix hits are not split off: a burst of them runs as one eager step, as before."""
+        """Whether the prompts admitted so far run as one prefill graph (up to 8 rows of one padded length,
+        fresh or after prefix hits: specialists/prefill_graph.py) and admitting the prompt `ids` too (with
+        the prefix it would find cached) would not; the rest waits a step."""
         new, cached = _counts(prefills)
-        if any(cached) or not self.prefill_alone(new, cached) or self.prefill_alone(new + [len(ids)], cached + [0]):
+        if not self.prefill_alone(new, cached):
             return False
-        return not self.kv.cached_prefix(ids, usable)  # looked up (hashed) only where it decides
+        hit = self.kv.cached_prefix(ids, usable)
+        return not self.prefill_alone(new + [len(ids) - hit], cached + [hit])
 
     def _schedule_decodes(self) -> list[Sequence]:
         scheduled: list[Sequence] = []

@@ -92,10 +92,10 @@ def test_greedy_tokens_after_a_padded_prefill_equal_the_eager_engines(mode: str)
 
 def test_which_steps_prefill_padded() -> None:
     """Padded: a fresh prompt, two short fresh prompts in one step (rows of 128), a prompt alone after a
-    prefix hit (a graph per length and context width), a hybrid's fresh prompt; fresh prompts that one
-    graph cannot take together (2 x 512 > 512 tokens) are admitted a step apart. Eager: several prompts
-    with a hit among them, a prompt past the cap, a hit whose context and padded length pass the widest
-    context (the model's 2,048 positions here)."""
+    prefix hit (a graph per length and context width), a hybrid's fresh prompt; prompts that one graph
+    cannot take together (2 x 512 > 512 tokens) are admitted a step apart, and prompts among decodes
+    that waited the step before run with them. Eager: a prompt past the cap, a hit whose context and
+    padded length pass the widest context (the model's 2,048 positions here)."""
     prompts = _prompts(2, (40, 70))
     llama = _engine("shell", 512)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -110,14 +110,14 @@ def test_which_steps_prefill_padded() -> None:
     together = [x, y, prompts[0] * 2 + [5], z]
     eager = _engine("shell", 0)
     assert [o.token_ids for o in llama.generate(together, params)] == [o.token_ids for o in eager.generate(together, params)]
-    # 160 alone (280 more would pass the cap), then 280, the hit and 50 with the decodes: eager, as is a
-    # burst of prompts with a hit among them
-    assert llama.stats["padded_prefills"] == 4 and llama.stats["padded_hit_prefills"] == 1
+    # 160 alone (280 more would pass the cap), then 280 alone (with the hit: 2 rows of 512), then the hit
+    # and 50 with the decodes, which waited the step before: eager
+    assert llama.stats["padded_prefills"] == 5 and llama.stats["padded_hit_prefills"] == 1
     assert llama.stats["prefix_hit_tokens"] == 64 + 80
     long = _prompts(3, (1700,))[0]
     llama.generate([long], SamplingParams(max_tokens=1))  # eager: past the cap
     llama.generate([long[:1600] + prompts[1] * 4], params)  # 1,600 cached + 280 new padded to 512 > 2,048
-    assert llama.stats["padded_prefills"] == 4 and llama.stats["prefix_hit_tokens"] >= 144 + 1600 and llama.steps > steps
+    assert llama.stats["padded_prefills"] == 5 and llama.stats["prefix_hit_tokens"] >= 144 + 1600 and llama.steps > steps
     hybrid, eager = _engine("cpp", 512), _engine("cpp", 0)  # a hybrid's fresh prompt: padded too
     assert hybrid.generate([prompts[1]], params)[0].token_ids == eager.generate([prompts[1]], params)[0].token_ids
     assert hybrid.stats["padded_prefills"] == 1
@@ -168,6 +168,28 @@ def test_a_padded_prefill_after_a_prefix_hit_computes_the_eager_ones() -> None:
     assert padded.stats["padded_hit_prefills"] == 5 and eager.stats["padded_prefills"] == 0
 
 
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_prompts_after_prefix_hits_prefill_together_padded(mode: str, domain: str) -> None:
+    """Three prompts sharing a cached head and a fresh one, submitted together: one padded step of four
+    rows (the hits' contexts gathered at one width, the hybrid's rows from their restored snapshots, the
+    fresh row from a zero state), with the greedy tokens of an engine without the prefix cache or padding."""
+    head, fresh = _prompts(5, (100, 40))
+    together = [head + t for t in _prompts(6, (3, 30, 70))] + [fresh]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    padded = _engine(domain, 512, mode)
+    padded.generate([head + [7]], params)
+    before = dict(padded.stats)
+    outs = [o.token_ids for o in padded.generate(together, params)]
+    assert outs == [o.token_ids for o in _engine(domain, 0, mode, enable_prefix_cache=False).generate(together, params)]
+    grew = {k: padded.stats[k] - before[k] for k in ("padded_prefills", "padded_hit_prefills", "prefix_hit_tokens")}
+    assert grew == {"padded_prefills": 1, "padded_hit_prefills": 1, "prefix_hit_tokens": 3 * 96}, grew
+    padded.kv.check_invariants()
+    if domain == "cpp":
+        assert padded.stats["ssm_snapshots_restored"] == 3
+        padded.snapshots.check_invariants()
+
+
 @pytest.mark.skipif(not CUDA, reason="flash attention's variable-length form: CANTATA_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
 def test_a_hit_prefill_in_half_precision_takes_flash_attention(monkeypatch: pytest.MonkeyPatch, domain: str) -> None:
@@ -189,6 +211,31 @@ def test_a_hit_prefill_in_half_precision_takes_flash_attention(monkeypatch: pyte
         assert calls and set(calls) == {128 if q <= 128 else 512}, calls  # every attention layer, the padded rows
         assert la.argmax() == lb.argmax() and torch.nn.functional.cosine_similarity(ha, hb, dim=-1).min() > 0.99
         assert torch.nn.functional.cosine_similarity(ka.flatten(), kb.flatten(), dim=0) > 0.99  # the K written (and the hybrid's state)
+
+
+@pytest.mark.skipif(not CUDA, reason="flash attention's variable-length form: CANTATA_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
+def test_several_hit_prefills_in_half_precision_take_flash_attention(monkeypatch: pytest.MonkeyPatch, domain: str) -> None:
+    """bf16 on a GPU: three prompts after prefix hits of different lengths and a fresh one, in one padded
+    step of four rows of 128 through flash attention's variable-length form (each row's keys used on the
+    device); their first tokens are those of an engine without the prefix cache or padding."""
+    from specialists.ops import attention
+
+    calls = []
+    after_hit = attention._after_hit
+    monkeypatch.setattr(attention, "_after_hit", lambda q, *a: calls.append(q.shape[0]) or after_hit(q, *a))
+    heads = _prompts(210, (96, 112, 256))
+    fresh = _prompts(211, (50,))[0]
+    together = [h + t for h, t in zip(heads, _prompts(212, (20, 60, 5)))] + [fresh]
+    one = SamplingParams(max_tokens=1)
+    padded = _engine(domain, 512, dtype=torch.bfloat16)
+    padded.generate([h + [3] for h in heads], one)
+    calls.clear()
+    outs = [o.token_ids for o in padded.generate(together, one)]
+    assert calls and set(calls) == {4 * 128}, calls
+    assert padded.stats["prefix_hit_tokens"] == 96 + 112 + 256
+    eager = _engine(domain, 0, dtype=torch.bfloat16, enable_prefix_cache=False)
+    assert outs == [o.token_ids for o in eager.generate(together, one)]
 
 
 def _staggered(engine: Engine, prompts: list[list[int]], late: list[list[int]],

@@ -92,8 +92,8 @@ def paged_attention_torch(
     k, v = k.to(q.dtype), v.to(q.dtype)
     if batch.row_exact and not batch.static and q.device.type == "cpu":
         return _rows_as_decodes(q, k, v, batch, scale, hq != hkv)
-    if batch.context_rows and B == 1 and _flash_varlen(q):  # a prefix hit's padded prefill
-        return _after_hit(q, k[0], v[0], batch, scale)
+    if batch.context_rows and _flash_varlen(q):  # prefix hits' padded prefill
+        return _after_hit(q, k, v, batch, scale)
     if batch.static:  # rows of one length (a CUDA graph's batch): two batched products, few kernels
         bias = _static_bias(batch, mask, q.dtype)
         return grouped_attention(q.view(B, max_q, hq, d), k, v, bias, d ** -0.5 if scale is None else scale).view(T, hq, d)
@@ -137,22 +137,26 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _after_hit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float | None) -> torch.Tensor:
-    """One prompt's new tokens after a prefix hit, padded to max_query_len (batch.context_rows), over its
-    context k, v [W, H_kv, D] gathered at the static width W: flash attention's variable-length form,
-    whose lengths are device tensors (a CUDA graph's), q_len new tokens over c + q_len keys, causal from
-    the bottom right (token i sees keys [0, c + i]); the padding's rows come out zero. The memory-
-    efficient kernel with a position mask took ~115 us a layer here at a 2,048-key context on an H100
-    (a program per 64 queries and head walks every key; bench/RESULTS.md, session 26)."""
+    """Prompts' new tokens after prefix hits, each row padded to max_query_len n (batch.context_rows), over
+    their contexts k, v [B, W, H_kv, D] gathered at the static width W: flash attention's variable-length
+    form, whose lengths are device tensors (a CUDA graph's): row b's n queries over its first c_b + n keys
+    (seqused_k), causal from the bottom right, so its token i sees keys [0, c_b + i]; the padding's rows
+    (i past the row's new tokens, the keys they see zeroed by _context_kv's mask) come out zero. The
+    memory-efficient kernel with a position mask took ~115 us a layer here at a 2,048-key context on an
+    H100 (a program per 64 queries and head walks every key; bench/RESULTS.md, session 26)."""
     T, hq, d = q.shape
+    B, W = k.shape[:2]
+    n = T // B
     cache = batch.__dict__["_attn_meta"]
-    if "hit" not in cache:  # once per step: [0, q_len], [0, c + q_len], the real rows
-        ctx = batch.context_lens[:1].int()
-        q_len = ctx - batch.positions[:1].int()
-        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-        cache["hit"] = (torch.cat([zero, q_len]), torch.cat([zero, ctx]),
-                        (torch.arange(T, device=q.device) < q_len)[:, None, None])
-    cu_q, cu_k, real = cache["hit"]
-    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, T, k.shape[0], 0.0, True, False,
+    if "hit" not in cache:  # once per step: row starts of q and k, keys used per row, the real query rows
+        first = batch.positions.view(B, n)[:, 0].int()  # c_b
+        new = batch.context_lens[:B].int() - first  # each row's new tokens
+        rows = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+        cache["hit"] = (rows * n, rows * W, first + n,
+                        (torch.arange(n, device=q.device)[None, :] < new[:, None]).reshape(T, 1, 1))
+    cu_q, cu_k, used, real = cache["hit"]
+    out = torch.ops.aten._flash_attention_forward(q, k.reshape(B * W, *k.shape[2:]), v.reshape(B * W, *v.shape[2:]), cu_q,
+                                                  cu_k, n, W, 0.0, True, False, seqused_k=used,
                                                   scale=d ** -0.5 if scale is None else scale)[0]
     return torch.where(real, out, 0.0)
 
