@@ -316,7 +316,7 @@ def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.dtype, domain: str) -> None:
     """On a GPU: the warm-up captures every shape up to the cap (one prompt of each length, several
-    rows of the shorter ones); prompts alone and two together replay them (no new capture); speculative
+    rows of the shorter ones; fresh, and after prefix hits at each context width); prompts alone and two together replay them (no new capture); speculative
     output equals plain output (another engine: no prefix hits), both prefilled through the graphs, and
     in fp32 equals the eager engine's."""
     padded = _engine(domain, 512, "on", dtype)
@@ -324,8 +324,8 @@ def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.d
     prefills = lambda: [key for key in graphs.keys() if key[0] == "prefill"]  # noqa: E731
     shapes = [(1, 128), (1, 256), (1, 512), (2, 128), (2, 256), (4, 128)]  # max_num_seqs 4, cap 512 tokens
     widths = [256, 512, 1024, 2048, 2080]  # context widths up to the block tables' 2,080 positions
-    hits = [(1, n, w) for n in (128, 256, 512) for w in widths if w >= 2 * n]  # one prompt after a prefix hit
-    assert padded.runner.capture_prefills() == 18 and prefills() == [("prefill", *s) for s in shapes + hits]
+    hits = [(b, n, w) for b, n in shapes for w in widths if w >= 2 * n]  # prompts after prefix hits
+    assert padded.runner.capture_prefills() == 32 and prefills() == [("prefill", *s) for s in shapes + hits]
     assert padded.runner.capture_prefills() == 0  # captured once
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = _prompts(3, (5, 127, 200, 511))
@@ -335,7 +335,7 @@ def test_prefill_graphs_are_captured_once_per_length_and_replayed(dtype: torch.d
         return [engine.generate([p], params)[0].token_ids for p in prompts] + [o.token_ids for o in engine.generate(together, params)]
 
     spec = run(padded)
-    assert len(prefills()) == 18 and padded.stats["padded_prefills"] == 5  # replayed: no capture in a request
+    assert len(prefills()) == 32 and padded.stats["padded_prefills"] == 5  # replayed: no capture in a request
     plain = _engine(domain, 512, "off", dtype)
     assert run(plain) == spec and plain.stats["padded_prefills"] == 5
     if dtype == torch.float32:
