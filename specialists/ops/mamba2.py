@@ -288,6 +288,21 @@ def _use_triton(device: torch.device):
     return load_triton_ssd()
 
 
+def triton_scan(ops, p: Mamba2Params, xbc: torch.Tensor, dt: torch.Tensor, init: torch.Tensor,
+                raw_dt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """mamba-ssm's Triton chunk scan over rows xbc [B, n, conv_dim] (after the conv), dt [B, n, H] from
+    init [B, H, P, N] fp32 -> (y [B, n, H, P] fp32 with the D skip, final states [B, H, P, N] fp32);
+    raw_dt: dt before its bias, softplus and limits (the scan applies them), else as given."""
+    B, n = xbc.shape[:2]
+    xs, Bg, Cg = xbc.split([p.d_inner, p.n_groups * p.d_state, p.n_groups * p.d_state], dim=-1)
+    how = dict(dt_bias=p.dt_bias, dt_softplus=True, dt_limit=p.time_step_limit) if raw_dt else dict(dt_bias=None, dt_softplus=False)
+    y, final = ops.chunk_scan_combined(
+        xs.reshape(B, n, p.num_heads, p.head_dim), dt, p.A, Bg.reshape(B, n, p.n_groups, p.d_state),
+        Cg.reshape(B, n, p.n_groups, p.d_state), p.chunk_size, D=p.D, z=None, initial_states=init,
+        return_final_states=True, **how)
+    return y.float(), final.float()
+
+
 def mamba2_prefill(
     p: Mamba2Params,
     u: torch.Tensor,
@@ -351,15 +366,8 @@ def _prefill(
 
     ssm_at = None
     if ops is not None:
-        xs, Bg, Cg = xbc.split([p.d_inner, p.n_groups * p.d_state, p.n_groups * p.d_state], dim=-1)
-        y, final = ops.chunk_scan_combined(
-            xs.reshape(1, T, p.num_heads, p.head_dim), dt_raw[None], p.A,
-            Bg.reshape(1, T, p.n_groups, p.d_state), Cg.reshape(1, T, p.n_groups, p.d_state), p.chunk_size,
-            D=p.D, z=None, dt_bias=p.dt_bias, initial_states=ssm_state[None].float(), dt_softplus=True,
-            dt_limit=p.time_step_limit, return_final_states=True,
-        )
-        y = y[0].float()
-        final = final[0].float()
+        y, final = triton_scan(ops, p, xbc[None], dt_raw[None], ssm_state[None].float(), raw_dt=True)
+        y, final = y[0], final[0]
     if ops is None or at:
         x, Bh, Ch = _split_xbc(p, xbc)
         dt = _dt(p, dt_raw)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _ssd_chunked, _use_triton
+from specialists.ops.mamba2 import (Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _ssd_chunked,
+                                    _use_triton, triton_scan)
 from specialists.ops.mamba2_boundaries import grid_states
 
 __all__ = ["mamba2_prefill_padded"]
@@ -59,11 +60,6 @@ def _scan(p: Mamba2Params, x: torch.Tensor, dt: torch.Tensor, Bh: torch.Tensor, 
     B, n = x.shape[:2]
     ops = _use_triton(x.device)
     if ops is not None:
-        xs, Bg, Cg = xbc.split([p.d_inner, p.n_groups * p.d_state, p.n_groups * p.d_state], dim=-1)
-        y, final = ops.chunk_scan_combined(
-            xs.reshape(B, n, p.num_heads, p.head_dim), dt, p.A, Bg.reshape(B, n, p.n_groups, p.d_state),
-            Cg.reshape(B, n, p.n_groups, p.d_state), p.chunk_size, D=p.D, z=None, dt_bias=None,
-            initial_states=init, dt_softplus=False, return_final_states=True)
-        return y.float(), final.float()
+        return triton_scan(ops, p, xbc, dt, init, raw_dt=False)
     ys, finals = zip(*(_ssd_chunked(x[b], dt[b], p.A, Bh[b], Ch[b], p.D, init[b], min(p.chunk_size, n)) for b in range(B)))
     return torch.stack(ys), torch.stack(finals)
