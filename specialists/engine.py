@@ -160,7 +160,7 @@ class Engine:
         K first (a hybrid's staged buffers: Runner.reserve_staged), and a fresh prompt's prefills. -> how many (0 on CPU)."""
         policy, spec = self.gate.policy, self.drafter is not None
         ks = sorted({policy.num_speculative_tokens, *(policy.auto.k_choices if policy.mode == "auto" else ())}, reverse=True) if spec else [0]
-        return sum(self.speculator.capture_graphs(k, spec, max_rows or self.cfg.max_num_seqs, progress) for k in ks) + self.runner.capture_prefills()
+        return sum(self.speculator.capture_graphs(k, spec, max_rows or self.cfg.max_num_seqs, progress) for k in ks) + self.runner.capture_prefills(progress)
 
     def metrics(self) -> dict:
         return {**self.stats, **self.totals.as_dict(), **self._grammars.stats(), "gate": self.gate.snapshot(), "step_times": self.step_times.as_dict()}

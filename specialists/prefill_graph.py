@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from specialists.models.batch import ForwardBatch, SeqStep
 from specialists.staging import BUCKETS, StaticInputs, bucket_size, context_width
@@ -151,12 +152,12 @@ class PrefillGraphs:
         return StepResult(logits[: len(rows)], hidden[index], real)
 
     @torch.inference_mode()
-    def capture(self) -> int:
+    def capture(self, progress: bool = False) -> int:
         """Every shape's graph -> how many were captured."""
         if not self.runner.graphs.enabled:
             return 0
         missing = [s for s in self.shapes() if not self.runner.graphs.has(self._key(*s))]
-        for shape in missing:
+        for shape in tqdm(missing, desc="prefill graphs", unit="shape", disable=not progress):
             self._capture(shape)
         return len(missing)
 

@@ -371,9 +371,9 @@ class Runner:
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next capture or step
         return True
 
-    def capture_prefills(self) -> int:
-        """A fresh prompt's prefill graph at every padded length (prefill_graph.py) -> how many were captured."""
-        return self.prefills.capture() if self.prefills is not None else 0
+    def capture_prefills(self, progress: bool = False) -> int:
+        """The prefill graphs of every shape (prefill_graph.py) -> how many were captured."""
+        return self.prefills.capture(progress) if self.prefills is not None else 0
 
     def static_outputs(self, num_rows: int, q: int, width: int, rebuild: Rebuild | None = None) -> StaticOutputs | None:
         """The outputs of the captured step graph of that shape (None if not captured)."""
