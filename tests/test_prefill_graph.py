@@ -188,6 +188,10 @@ def test_prompts_after_prefix_hits_prefill_together_padded(mode: str, domain: st
     if domain == "cpp":
         assert padded.stats["ssm_snapshots_restored"] == 3
         padded.snapshots.check_invariants()
+    later = together[2] + _prompts(8, (20,))[0]  # hits the blocks (and the hybrid's snapshots) the 4-row step stored
+    hits = padded.stats["prefix_hit_tokens"]
+    assert padded.generate([later], params)[0].token_ids == _engine(domain, 0, mode, enable_prefix_cache=False).generate([later], params)[0].token_ids
+    assert padded.stats["prefix_hit_tokens"] - hits == 160  # 170 prompt tokens: 10 full blocks
 
 
 @pytest.mark.skipif(not CUDA, reason="flash attention's variable-length form: CANTATA_TEST_DEVICE=cuda")
