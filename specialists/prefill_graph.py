@@ -159,7 +159,25 @@ class PrefillGraphs:
         missing = [s for s in self.shapes() if not self.runner.graphs.has(self._key(*s))]
         for shape in tqdm(missing, desc="prefill graphs", unit="shape", disable=not progress):
             self._capture(shape)
+        if missing:
+            self.warm_rows()
         return len(missing)
+
+    @torch.inference_mode()
+    def warm_rows(self, counts: tuple[int, ...] = (32, 64)) -> int:
+        """Eager forwards of one padding prompt of each of `counts` tokens (scratch block and slot): an
+        eager step of 17-64 rows (prompts admitted beside decodes) runs the fused products at their 32-
+        and 64-row tiles (ops/decode_fused.mma), which Triton compiles at first use; a plain engine's
+        decode graphs (at most 16 rows) never do, and a fresh process's first requests stalled for
+        seconds (bench/RESULTS.md, session 27). -> the forwards run."""
+        kv, ssm = self.runner.kv, self.runner.ssm
+        pad = SimpleNamespace(seq_id=-1, tokens=[0], ssm_slot=ssm.scratch_slot if ssm else -1)
+        for n in counts:
+            batch = self._build([pad], 1, n, 0, [[kv.scratch_block] * -(-n // kv.block_size)], [0])
+            self.runner.model.forward(batch, kv, ssm)
+        if torch.device(self.runner.device).type == "cuda":
+            torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
+        return len(counts)
 
     def _capture(self, shape: tuple[int, int, int]) -> None:
         """A shape's graph on padding rows: one-token prompts in the scratch block and slot (after a

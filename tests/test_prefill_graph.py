@@ -90,6 +90,23 @@ def test_greedy_tokens_after_a_padded_prefill_equal_the_eager_engines(mode: str)
     padded.kv.check_invariants()
 
 
+@pytest.mark.parametrize("domain", ["shell", "cpp"])  # attention-only, hybrid
+def test_warming_the_row_tiles_leaves_every_state_as_it_was(domain: str) -> None:
+    """The warm-up's eager forwards of 32 and 64 padding tokens (Triton's row tiles on a GPU) write only
+    the scratch block and slot: a request decoding around them keeps the tokens of an engine without them."""
+    prompt = _prompts(9, (50,))[0]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    warmed = _engine(domain, 512)
+    rid = warmed.add_request(prompt, params)
+    outs = warmed.step() + warmed.step()
+    assert warmed.runner.prefills.warm_rows() == 2
+    while warmed.has_unfinished():
+        outs += warmed.step()
+    warmed.kv.check_invariants()
+    done = [o.token_ids for o in outs if o.request_id == rid and o.finished]
+    assert done == [_engine(domain, 0).generate([prompt], params)[0].token_ids]
+
+
 def test_which_steps_prefill_padded() -> None:
     """Padded: a fresh prompt, two short fresh prompts in one step (rows of 128), a prompt alone after a
     prefix hit (a graph per length and context width), a hybrid's fresh prompt; prompts that one graph
