@@ -50,8 +50,8 @@ class EngineOptions:
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
     decode_ahead: bool | None = None  # launch the next plain multi-step decode before reading this one (None: with CUDA graphs)
-    # fresh prompts' prefills (nothing cached, the step's only rows; or one prompt after a prefix hit) padded to a
-    # length of specialists/prefill_graph.PREFILL_LENGTHS, up to this many tokens in all, a CUDA graph per (rows, length)
+    # prompts' prefills that are their step's only rows (fresh, or after prefix hits) padded to a length of
+    # specialists/prefill_graph.PREFILL_LENGTHS, up to this many tokens in all, a CUDA graph per (rows, length, width)
     # (None: 2048 where CUDA graphs run in half precision, else 0, off; on a CPU it only pads: for tests)
     prefill_graph_tokens: int | None = None
     # hybrids: MiB each role of the static steps' per-token Mamba states may take (specialists/staged_states.py);

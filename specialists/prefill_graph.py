@@ -170,11 +170,10 @@ class PrefillGraphs:
         and 64-row tiles (ops/decode_fused.mma), which Triton compiles at first use; a plain engine's
         decode graphs (at most 16 rows) never do, and a fresh process's first requests stalled for
         seconds (bench/RESULTS.md, session 27). -> the forwards run."""
-        kv, ssm = self.runner.kv, self.runner.ssm
-        pad = SimpleNamespace(seq_id=-1, tokens=[0], ssm_slot=ssm.scratch_slot if ssm else -1)
+        kv = self.runner.kv
         for n in counts:
-            batch = self._build([pad], 1, n, 0, [[kv.scratch_block] * -(-n // kv.block_size)], [0])
-            self.runner.model.forward(batch, kv, ssm)
+            batch = self._build([self._pad_row()], 1, n, 0, [[kv.scratch_block] * -(-n // kv.block_size)], [0])
+            self.runner.model.forward(batch, kv, self.runner.ssm)
         if torch.device(self.runner.device).type == "cuda":
             torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
         return len(counts)
@@ -184,10 +183,14 @@ class PrefillGraphs:
         prefix hit, their context the scratch block again and again)."""
         bp, length, width = shape
         kv = self.runner.kv
-        table, slot = [kv.scratch_block] * max(1, width // kv.block_size), self.runner.ssm.scratch_slot if self.runner.ssm else -1
-        pad = SimpleNamespace(seq_id=-1, tokens=[0], ssm_slot=slot)
-        self._replay(self._build([pad] * bp, bp, length, width, [table] * bp, [max(width - length, 0)] * bp))
+        table = [kv.scratch_block] * max(1, width // kv.block_size)
+        self._replay(self._build([self._pad_row()] * bp, bp, length, width, [table] * bp, [max(width - length, 0)] * bp))
         torch.cuda.synchronize()  # the staging buffer is rewritten by the next step
+
+    def _pad_row(self) -> SimpleNamespace:
+        """A one-token prompt of no sequence, in the scratch slot (a capture's or warm-up's row)."""
+        ssm = self.runner.ssm
+        return SimpleNamespace(seq_id=-1, tokens=[0], ssm_slot=ssm.scratch_slot if ssm else -1)
 
     @staticmethod
     def _key(bp: int, length: int, width: int) -> tuple:

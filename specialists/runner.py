@@ -101,7 +101,7 @@ class Runner:
         self.padded_steps = self.static_steps = self.masked_steps = 0
         self.row_exact = cfg.quantization != "none"  # quantized products: row-canonical attention (batch.row_exact)
         self.exact_rows = exact_rows(self.device, model.lm_head.dtype)  # rows a step's products stay row-invariant
-        cap = min(cfg.prefill_graph_tokens, self.inputs.max_tokens, self.max_context_width)  # a fresh prompt's prefill graphs
+        cap = min(cfg.prefill_graph_tokens, self.inputs.max_tokens, self.max_context_width)  # prompts' prefill graphs
         self.prefills = PrefillGraphs(self, cap, min(bucket_size(cfg.max_num_seqs), 8), cfg.ssm_snapshot_stride or 0) \
             if cap and not self.row_exact else None
         self.lone_prefill = self.prefills.fits if self.prefills is not None else None  # the scheduler's prefill_alone

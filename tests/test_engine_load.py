@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def test_every_request_finishes_and_the_head_is_hit(tmp_path: Path, capsys: pyte
     assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and 0 < row["tpot_ms_p50"] <= row["tpot_ms_p99"]
     assert row["output_tok_s"] > 0 and row["commit"]
     # the same arrivals and prompts every run: the same hits
-    times, prompts = engine_load._arrivals(engine_load.argparse.Namespace(seed=0, head_tokens=64, requests=10, rate=40.0), 4608)
+    times, prompts = engine_load._arrivals(argparse.Namespace(seed=0, head_tokens=64, requests=10, rate=40.0), 4608)
     assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:])) and all(p[:64] == prompts[0][:64] for p in prompts)
 
 
