@@ -85,12 +85,15 @@ class _Ahead:
     staged: Any = None  # a hybrid's Mamba states [Bp, steps, L, ...], staged when the step is used
 
 
-class DecodeAhead:
+class LaunchedAhead:
+    """What a kind of step launched ahead shares (this module's plain decodes, spec/verify_ahead.py's
+    verifies): the engine's say, the step in flight (with its seq_ids), the counts, and its discard."""
+
     def __init__(self, runner: Any, kv: Any, copies: HostCopies) -> None:
         self.runner, self.kv, self.copies = runner, kv, copies
-        # the engine's say, per step (rows, S): whether the step after it may go ahead; None: never
+        # the engine's say, per step (rows, tokens a row): whether the step after it may go ahead; None: never
         self.allowed: Callable[[list, int], bool] | None = None
-        self._pending: _Ahead | None = None
+        self._pending: Any = None
         self.launched = self.used = self.discarded = 0
 
     def stats(self) -> dict[str, int]:
@@ -98,7 +101,21 @@ class DecodeAhead:
 
     def holds(self, seq_id: int) -> bool:
         """Whether seq_id's KV past this step is the step ahead's (its commit keeps the reservation)."""
-        return self._pending is not None and seq_id in self._pending.committed
+        return self._pending is not None and seq_id in self._pending.seq_ids
+
+    def discard(self) -> None:
+        """Drops the step ahead: what it wrote past each live sequence's pointer is rolled back."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        self.discarded += 1
+        live = set(self.kv.sequence_ids())
+        for sid in p.seq_ids:
+            if sid in live:
+                self.kv.rollback(sid, self.kv.num_computed(sid))
+
+
+class DecodeAhead(LaunchedAhead):
 
     def settle(self, running: list) -> bool:
         """Before the scheduler: keeps the step ahead if every running sequence is one it runs, at the
@@ -112,17 +129,6 @@ class DecodeAhead:
             return True
         self.discard()
         return False
-
-    def discard(self) -> None:
-        """Drops the step ahead: what it wrote past each live sequence's pointer is rolled back."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return
-        self.discarded += 1
-        live = set(self.kv.sequence_ids())
-        for sid in p.seq_ids:
-            if sid in live:
-                self.kv.rollback(sid, self.kv.num_computed(sid))
 
     def forward(self, plan: Any) -> MultiResult:
         """A multi-step plan's forward: the step ahead when it ran these rows, else a launch now."""

@@ -35,30 +35,29 @@ from spec.decode_ahead import DecodeAhead, HostCopies
 from spec.grammar import DraftMasks, StepMasks, active_guide, bitmask_words
 from spec.mask_buffers import MaskBuffers
 from spec.step import Accepted, AheadChain, Proposal, Row, StaticShape, StepOutput, StepPlan
+from spec.verify_ahead import VerifyAhead
 from state.transfer import device_ints
 
 
 class Speculator:
     def __init__(self, runner: Any, kv: Any, ssm: Any | None, drafter: Any | None) -> None:
-        self.runner, self.kv, self.ssm, self.drafter = runner, kv, ssm, drafter
-        self.device = runner.device
+        self.runner, self.kv, self.ssm, self.drafter, self.device = runner, kv, ssm, drafter, runner.device
         self.vocab_size = runner.model.lm_head.shape[0]  # the logits' width: grammar masks cover it
         self._draft_out: torch.Tensor | None = None  # [T_prev, d] the last rebuild's entry outputs
         self._draft_index: dict[int, int] = {}  # seq_id -> row of _draft_out at its committed end
         self._carried: dict[int, int] = {}  # the same for sequences a step of prompts alone left waiting (_rebuild)
-        # drafting ahead (static greedy steps): right after a verify the device drafts the next step from
-        # its own acceptance, while the host commits; the next step uses those drafts if its sequences
-        # and their committed lengths are the ones assumed. The chain then writes its chained entries
-        # past the accepted tokens: with the fused drafter the scheduler reserves room for them.
+        # drafting ahead (static greedy steps): right after a verify the device drafts the next step from its own
+        # acceptance; the next step uses those drafts if its sequences and committed lengths are the ones assumed.
+        # The chain writes its entries past the accepted tokens: with the fused drafter the scheduler reserves room.
         self.ahead = drafter is not None and runner.static
         self.ahead_pool = self.ahead and drafter.chains_in_pool
         self._ahead: AheadChain | None = None
         self.copies = HostCopies()  # host copies of static steps' packed outputs (CUDA)
         self.decoding = DecodeAhead(runner, kv, self.copies)  # plain multi-step decodes launched ahead
+        self.verifying = VerifyAhead(runner, kv, self.copies)  # greedy static verifies launched ahead
+        self._ahead_wait: Callable[[], list] | None = None  # the host copy of a verify launched ahead, used this step
         self.ahead_used = self.ahead_missed = 0  # steps that used / could not use the drafts made ahead
-        # grammar masks on a GPU: specialists/ops/grammar_mask.apply_bitmask (the engine sets it), and
-        # the device copies of the closing preferences it adds; None: spec/grammar.py's torch ops
-        self.mask_kernel: Callable[..., None] | None = None
+        self.mask_kernel: Callable[..., None] | None = None  # a GPU's grammar masks (ops/grammar_mask); None: torch ops
         self._mask_buffers = MaskBuffers(self.device)
         self.catch_up = CatchUp()  # drafter entries owed for plain steps that skipped the rebuild
         self._entries: set[int] = set()  # sequences the drafter has entries for (rebuilt at least once)
@@ -66,6 +65,16 @@ class Speculator:
     def owed(self, seq_id: int) -> int:
         """Tokens whose drafter entries the next rebuild of seq_id will catch up (spec/catchup.py)."""
         return self.catch_up.owed(seq_id, self.kv.num_computed)
+
+    def settle(self, running: list) -> bool:
+        """Before the scheduler: keeps a step launched ahead (a plain decode or a verify) if it is the step
+        the host would build now, else discards it. -> kept (then the step admits nobody)."""
+        if self.decoding.settle(running):
+            return True
+        kept, restore = self.verifying.settle(running)
+        if restore is not None:  # the step before's drafter outputs, which the discarded step overwrote
+            self._draft_out = restore
+        return kept
 
     def forget(self, seq_id: int) -> None:
         self._draft_index.pop(seq_id, None)
@@ -173,6 +182,10 @@ class Speculator:
         its acceptance and the drafter's rebuild in the graph) -> the runner's StepResult."""
         if plan.multi > 1:
             return self.decoding.forward(plan)  # tokens [Bp, S], packed [Bp, 2S] (or the step decoded ahead)
+        taken = self.verifying.take(plan)
+        if taken is not None:  # launched ahead by the step before (spec/verify_ahead.py)
+            res, self._ahead_wait = taken
+            return res
         in_graph = self._rebuild_in_graph(plan)
         masks = None
         if plan.masks is not None and plan.static is not None and getattr(self.runner, "static_masks", None) is not None:
@@ -230,19 +243,24 @@ class Speculator:
             self.catch_up.stash(plan.rows, self._entries, plan.owe_new, forward.hidden, accepted.tokens,
                                 lambda: self._next_tokens(plan, forward, accepted.tokens), self.kv.num_computed)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
+        wait, self._ahead_wait = self._ahead_wait, None  # this step was launched ahead: its copy is queued
         if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
-            wait = self.copies.start(accepted.packed)
+            wait = wait or self.copies.start(accepted.packed)
             drafts_next = self._chain_ahead(plan, static)
+            self.verifying.launch(plan, static, drafts_next, static.draft_out, self.drafter.rebuild)
             host = wait()
         else:
-            host = accepted.packed.tolist()  # the one host sync of the step (pageable: for a few words, faster than pinned + event)
+            host = wait() if wait else accepted.packed.tolist()  # the step's one host sync (pageable: for a few words, faster than pinned + event)
             drafts_next = self._chain_ahead(plan, static) if ahead else None
+            if ahead:  # the CPU: the same bookkeeping, without the overlap
+                self.verifying.launch(plan, static, drafts_next, static.draft_out, self.drafter.rebuild)
         runs, drafts = unpack(host, [r.k for r in plan.rows], plan.k)
         if plan.limits is not None:  # a guided chain that stopped early: the graph's acceptance did not know
             runs = [run[:lim + 1] for run, lim in zip(runs, plan.limits)]
         if ahead:  # valid next step if every run is committed whole and the same sequences decode
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
                                      [c + len(run) for c, run in zip(plan.static.committed, runs)], plan.k, drafts_next)
+            self.verifying.assume(self._ahead.committed)
         return StepOutput(runs, drafts, rebuild_s=rebuild_s, catchup_s=catchup_s)
 
     # ---- the parts -----------------------------------------------------------------------------
@@ -369,7 +387,8 @@ class Speculator:
                 end = r.t0 + len(r.tokens) - 1
             else:
                 m = max(m, 1)  # the fed token is always committed (it was emitted last step)
-                self.kv.commit(r.seq_id, r.tokens + drafts, m, hold=self.decoding.holds(r.seq_id))
+                hold = self.decoding.holds(r.seq_id) or self.verifying.holds(r.seq_id)
+                self.kv.commit(r.seq_id, r.tokens + drafts, m, hold=hold)
                 if self.ssm is not None:
                     slots.append(r.ssm_slot)
                     counts.append(m)

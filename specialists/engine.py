@@ -12,6 +12,7 @@ state are committed, finished sequences release their blocks and slots. No Ray i
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -30,16 +31,14 @@ from spec.acceptance import TypicalParams
 from spec.speculator import Speculator
 from spec.stats import SpecStats, StepTimes
 from spec.step import StepOutput
-from spec.triggers import TriggerSet
 from specialists.base_checkpoint import resolve_weights
-from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists.drafter import PagedDrafter
 from specialists.guided import Grammars, commit_grammars, mask_kernel, serving_hints
 from specialists.models.draftvocab import read_draft_vocab
 from specialists.models.loader import load_model
 from specialists.models.mtp import MissingDrafterError, MTPDrafter, load_drafter
 from specialists.options import EngineConfig, EngineOptions
-from specialists.outputs import RequestError, RequestOutput, cut_run, merge_status, prompt_ids
+from specialists.outputs import RequestError, RequestOutput, cut_run, merge_status, prompt_ids, trigger_tokens
 from specialists import detok, quantize
 from specialists.runner import Runner
 from specialists.sampling import SamplingParams
@@ -86,19 +85,18 @@ class Engine:
         self.speculator = Speculator(self.runner, self.kv, self.ssm, self.drafter)
         self.speculator.mask_kernel = mask_kernel(cfg.fused_drafter, self.runner.device)  # a GPU's grammar masks
         self.scheduler.draft_lookahead, self.scheduler.prefill_alone = self.speculator.ahead_pool, self.runner.lone_prefill
-        if cfg.decode_ahead:  # spec/decode_ahead.py
-            self.speculator.decoding.allowed = self._may_decode_ahead
-        tok = tokenizer.convert_tokens_to_ids
-        eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
-        call = [i if isinstance(i := tok(n), int) and i != tokenizer.unk_token_id else None for n in ("<tool_call>", "</tool_call>")]
-        self.eos_ids, self.triggers = eos, TriggerSet(frozenset(eos), *call)  # the tool call's open and close tokens
+        if cfg.decode_ahead:  # spec/decode_ahead.py, spec/verify_ahead.py (attention-only models)
+            self.speculator.decoding.allowed = self._may_go_ahead
+        if cfg.verify_ahead and not hybrid:
+            self.speculator.verifying.allowed = functools.partial(self._may_go_ahead, verify=True)
+        self.eos_ids, self.triggers = trigger_tokens(tokenizer)  # EOS ids; the tool call's open and close tokens
         self.totals, self.step_times = SpecStats(), StepTimes()
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._step_lock: asyncio.Lock | None = None
         self.ready, self.steps, self._settle = False, 0, 0  # _settle: steps until step times are judged again (after a prefill)
-        self._grammars = Grammars(tokenizer, self.speculator.vocab_size, eos, grammar_bounds)
+        self._grammars = Grammars(tokenizer, self.speculator.vocab_size, self.eos_ids, grammar_bounds)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None, *,
@@ -169,6 +167,7 @@ class Engine:
     def stats(self) -> dict:
         return {"steps": self.steps, "preemptions": self.scheduler.num_preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "decode_ahead": self.speculator.decoding.stats(),
+                "verify_ahead": self.speculator.verifying.stats(),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 **self.runner.graph_stats(), **(self.snapshots.stats() if self.snapshots is not None else {})}
 
@@ -227,7 +226,7 @@ class Engine:
         multi = self.runner.multi_steps(batch) if not rebuild and self.runner.static else 1
         k = min(self.gate.k_for(batch, guided), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
         self._plan_drafts(k, multi)
-        ahead = self.speculator.decoding.settle(sched.running)  # a step decoded ahead runs these rows: no admission
+        ahead = self.speculator.settle(sched.running)  # a step launched ahead runs these rows: no admission
         step = sched.schedule(speculating=status == "on", admit=not ahead)
         if step.empty:
             if sched.has_unfinished():
@@ -290,12 +289,14 @@ class Engine:
             # greedy plain decodes of a static batch: several per step (past max_tokens too, then cut)
             seq.decode_steps = max(1, min(steps, room + 1)) if seq.params.greedy and not seq.spec_k else 1
 
-    def _may_decode_ahead(self, rows: list, steps: int) -> bool:
-        """Whether the plain step after this one (`steps` tokens a row) may be launched before this one's
-        outputs are read: nobody waits to be admitted, speculation is off (or `auto` holds it off: a
-        switch back discards the step ahead), every row has room for it and some row goes on past this step."""
-        return (not self.scheduler.waiting and (self.drafter is None or self.gate.status != "on")
-                and all(self.cfg.max_model_len - r.seq.num_tokens - 1 >= 2 * steps - 1 for r in rows)
+    def _may_go_ahead(self, rows: list, steps: int, verify: bool = False) -> bool:
+        """Whether the step after this one (`steps` tokens a row: a plain decode's, or a verify's) may be
+        launched before this one's outputs are read: nobody waits to be admitted, speculation is off for a
+        plain step (or `auto` holds it off: a switch back discards the step ahead) and on for a verify,
+        every row has room for it (a verify ahead: and its chain) and some row goes on past this step."""
+        on = self.drafter is not None and self.gate.status == "on"
+        return (not self.scheduler.waiting and on == verify
+                and all(self.cfg.max_model_len - r.seq.num_tokens - 1 >= (3 if verify else 2) * steps - 1 for r in rows)
                 and any(r.seq.params.max_tokens - len(r.seq.output_ids) > steps for r in rows))
 
     def _cut_runs(self, rows: list, out, status: str) -> tuple[list[int], list[str | None]]:
@@ -323,9 +324,8 @@ class Engine:
         return kept, events
 
     def _check_invariants(self) -> None:
-        for seq in self.scheduler.running:
-            if self.kv.num_computed(seq.seq_id) != seq.num_tokens - 1:
-                raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {seq.num_tokens - 1}")
+        for seq in (s for s in self.scheduler.running if self.kv.num_computed(s.seq_id) != s.num_tokens - 1):
+            raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {seq.num_tokens - 1}")
 
     def _emit(self, seq: Sequence, run: list[int], event: str | None) -> RequestOutput:
         p = seq.params

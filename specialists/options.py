@@ -50,6 +50,7 @@ class EngineOptions:
     fused_drafter: bool | None = None  # static chains / rebuilds as Triton kernels (None: on CUDA with Triton)
     decode_steps: int | None = None  # greedy plain decodes per static step, one sync (None: 4 with CUDA graphs, else 1)
     decode_ahead: bool | None = None  # launch the next plain multi-step decode before reading this one (None: with CUDA graphs)
+    verify_ahead: bool | None = None  # launch the next greedy verify before reading this one (None: with CUDA graphs; not hybrids)
     # prompts' prefills that are their step's only rows (fresh, or after prefix hits) padded to a length of
     # specialists/prefill_graph.PREFILL_LENGTHS, up to this many tokens in all, a CUDA graph per (rows, length, width)
     # (None: 2048 where CUDA graphs run in half precision, else 0, off; on a CPU it only pads: for tests)
@@ -111,6 +112,7 @@ class EngineOptions:
             cuda_graphs=graphs and static, fused_drafter=_fused_default(dev, self.fused_drafter, hidden_size),
             decode_steps=_decode_steps(self.decode_steps, graphs and static, self.block_size),
             decode_ahead=static and (graphs if self.decode_ahead is None else self.decode_ahead),
+            verify_ahead=static and (graphs if self.verify_ahead is None else self.verify_ahead),
             quantization=self.quantization or "auto", staged_state_mib=self.staged_state_mib,
             prefill_graph_tokens=self.prefill_graph_tokens if self.prefill_graph_tokens is not None else
             (DEFAULT_PREFILL_GRAPH_TOKENS if graphs and static and self.dtype in (torch.bfloat16, torch.float16) else 0),
@@ -139,6 +141,7 @@ class EngineConfig:
     fused_drafter: bool
     decode_steps: int
     decode_ahead: bool  # spec/decode_ahead.py: static multi-step decodes (hybrids too)
+    verify_ahead: bool = False  # spec/verify_ahead.py: greedy static verifies (attention-only models)
     quantization: str = "auto"  # the engine resolves "auto" against its model (quantize.resolve)
     staged_state_mib: float | None = None  # None: on CUDA a share of the device's memory, else no bound (staged_states.py)
     prefill_graph_tokens: int = 0  # 0: every prefill eager

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from spec.stats import RequestStats
+from spec.triggers import TriggerSet
+from specialists.chat import EOS_TOKEN, PAD_TOKEN
 from specialists import detok
 
 
@@ -61,3 +63,12 @@ def cut_run(triggers: Any, tokenizer: Any, max_model_len: int, seq: Any, run: li
             if any(s in text for s in p.stop):
                 return i + 1, "stop_string"
     return n, event
+
+
+def trigger_tokens(tokenizer: Any) -> tuple[set[int], TriggerSet]:
+    """The tokenizer's end-of-turn ids (EOS, <|im_end|>, <|endoftext|>) and the trigger set over them and
+    the tool call's open and close tokens (None where the vocabulary has none)."""
+    tok = tokenizer.convert_tokens_to_ids
+    eos = {i for i in (tokenizer.eos_token_id, tok(EOS_TOKEN), tok(PAD_TOKEN)) if isinstance(i, int) and i >= 0}
+    call = [i if isinstance(i := tok(n), int) and i != tokenizer.unk_token_id else None for n in ("<tool_call>", "</tool_call>")]
+    return eos, TriggerSet(frozenset(eos), *call)

@@ -45,9 +45,9 @@ from specialists.ops.rows_cuda import row_argmax
 from specialists.static_masks import StaticMask, StaticMasks
 from specialists.step_result import Staged, StaticOutputs, StepResult
 from specialists.staged_states import StagedBuffers, budget_mib
-from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, Layout, StaticInputs, bucket_size, context_width,
-                                 exact_rows, place_drafts, stage_rows)
-from state.kv_cache import KVCache, flat_slots
+from specialists.staging import (BUCKETS, MAX_GRAPH_BATCH, MIN_CONTEXT_WIDTH, Layout, StaticInputs, advance_rows, bucket_size,
+                                 context_width, exact_rows, pad_rows, place_drafts, stage_rows)
+from state.kv_cache import KVCache
 from state.ssm_cache import SSMCache
 from state.transfer import device_ints
 
@@ -160,7 +160,7 @@ class Runner:
         lay = self._layout(rows, tables, static)
         n_logits = stage_rows(self.inputs, rows, starts, tables, lay, self.kv.block_size)
         if lay.Bp > lay.B:
-            self._pad_rows(lay.B, lay.Bp, lay.T, lay.q_pad, lay.static, lay.width)
+            pad_rows(self.inputs, self.kv, self.ssm, lay.B, lay.Bp, lay.T, lay.q_pad, lay.static, lay.width)
         self.inputs.upload()
         ctx = self.inputs.staging("context_lens", lay.Bp)
         max_ctx = int(ctx.max())
@@ -217,29 +217,6 @@ class Runner:
             num_pad=nb - lay.B, static=lay.static, row_exact=self.row_exact,
         )
 
-    def _pad_rows(self, b0: int, Bp: int, t: int, q: int, static: bool, width: int) -> None:
-        """Padding rows b0..Bp-1 from flat token t: q tokens each at positions 0.., in the scratch block
-        and slot (written with the step's other rows, in the staging buffer; tables `width` wide)."""
-        inp, kv, bs = self.inputs, self.kv, self.kv.block_size
-        tab = inp.tables(Bp, width)
-        ids, pos, slots, tseq, tq, lidx = (inp.staging(f, t + (Bp - b0) * q) for f in StaticInputs.TOKEN_FIELDS)
-        ctx, sslot = inp.staging("context_lens", Bp), inp.staging("ssm_slots", Bp)
-        qsl = inp.staging("query_start_loc", Bp + 1)
-        scratch_slot = self.ssm.scratch_slot if self.ssm is not None else -1
-        for b in range(b0, Bp):
-            ids[t:t + q] = 0
-            pos[t:t + q] = np.arange(q)
-            slots[t:t + q] = flat_slots([kv.scratch_block], 0, q, bs)
-            tseq[t:t + q] = b
-            tq[t:t + q] = np.arange(q)
-            tab[b, 0] = kv.scratch_block
-            ctx[b] = q
-            sslot[b] = scratch_slot
-            if static:  # a static batch computes every row's logits
-                lidx[t:t + q] = np.arange(t, t + q)
-            t += q
-            qsl[b + 1] = t
-
     # ---- forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -267,6 +244,16 @@ class Runner:
         self.stage(rows, out.staged)
         T = real.num_tokens
         return StepResult(out.logits[:T], out.hidden[:T], real, out)
+
+    @torch.inference_mode()
+    def run_ahead(self, rows: list[BatchRow], packed: torch.Tensor, drafts: torch.Tensor, rebuild: Rebuild | None) -> StepResult:
+        """The verify after a greedy static one, before the host reads it (spec/verify_ahead.py): built at
+        the rows' committed ends, wide enough for q more tokens, then moved on the device past what that
+        verify keeps (staging.advance_rows: its packed result, `drafts` [Bp, q-1] after each target token)."""
+        batch, real = self.build(rows, lookahead=rows[0].q)
+        advance_rows(batch, packed, drafts, len(rows), self.kv.block_size)
+        out = self._static_step(batch, rebuild)
+        return StepResult(out.logits[:real.num_tokens], out.hidden[:real.num_tokens], real, out)
 
     @torch.inference_mode()
     def run_multi(self, rows: list[BatchRow], steps: int, advance: int = 0, feed: torch.Tensor | None = None,
@@ -359,7 +346,7 @@ class Runner:
         lay = Layout(B=0, T=0, Bp=Bp, Tp=Bp * q, q_pad=q, width=inp.max_blocks, static=True)
         inp.tables(Bp, lay.width)[:] = 0
         inp.staging("query_start_loc", 1)[0] = 0
-        self._pad_rows(0, Bp, 0, q, True, lay.width)
+        pad_rows(inp, self.kv, self.ssm, 0, Bp, 0, q, True, lay.width)
         inp.upload()
         views = self._views(lay, Bp, lay.Tp, lay.Tp, [-1] * Bp, [q] * Bp, [False] * Bp, width)
         mask = self.static_masks.buffers(Bp * q) if masked else None

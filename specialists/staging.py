@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from specialists.ops.attention import HALF
+from state.kv_cache import flat_slots
 from state.transfer import device_ints
 
 
@@ -141,6 +142,31 @@ def stage_rows(inp: StaticInputs, rows: list, starts: list[int], tables: list[li
     return int(keep.size)
 
 
+def pad_rows(inp: StaticInputs, kv, ssm, b0: int, Bp: int, t: int, q: int, static: bool, width: int) -> None:
+    """Padding rows b0..Bp-1 from flat token t: q tokens each at positions 0.., in the KV cache's scratch
+    block and the SSM cache's scratch slot (written with the step's other rows, in the staging buffer;
+    tables `width` wide)."""
+    bs = kv.block_size
+    tab = inp.tables(Bp, width)
+    ids, pos, slots, tseq, tq, lidx = (inp.staging(f, t + (Bp - b0) * q) for f in StaticInputs.TOKEN_FIELDS)
+    ctx, sslot = inp.staging("context_lens", Bp), inp.staging("ssm_slots", Bp)
+    qsl = inp.staging("query_start_loc", Bp + 1)
+    scratch_slot = ssm.scratch_slot if ssm is not None else -1
+    for b in range(b0, Bp):
+        ids[t:t + q] = 0
+        pos[t:t + q] = np.arange(q)
+        slots[t:t + q] = flat_slots([kv.scratch_block], 0, q, bs)
+        tseq[t:t + q] = b
+        tq[t:t + q] = np.arange(q)
+        tab[b, 0] = kv.scratch_block
+        ctx[b] = q
+        sslot[b] = scratch_slot
+        if static:  # a static batch computes every row's logits
+            lidx[t:t + q] = np.arange(t, t + q)
+        t += q
+        qsl[b + 1] = t
+
+
 def place_drafts(batch, rows: list, drafts: torch.Tensor) -> None:
     """Puts drafts [n, kmax] (row b's first rows[b].k; a static batch: n = its padded rows) in their
     places after each row's host tokens (rows: the runner's BatchRows), in batch.input_ids on the device."""
@@ -158,6 +184,25 @@ def place_drafts(batch, rows: list, drafts: torch.Tensor) -> None:
     if idx:
         dev = drafts.device
         batch.input_ids.index_copy_(0, device_ints(idx, dev), drafts.reshape(-1)[device_ints(src, dev)])
+
+
+def advance_rows(batch, packed: torch.Tensor, drafts: torch.Tensor, B: int, block_size: int) -> None:
+    """A static verify batch built at the rows' committed ends, moved on the device past what the verify
+    before it keeps (spec/verify_ahead.py): row b (of B real rows) starts packed[b, 0] + 1 positions
+    later (its kept drafts and the fed token), feeds that verify's target token then drafts[b]; its
+    slots are read from its block table, its context grows alike. Padding rows stay as built."""
+    q = batch.max_query_len
+    kept = packed[:B, 0]
+    step = kept + 1
+    ids = batch.input_ids.view(-1, q)[:B]
+    ids[:, 0] = packed[:B].gather(1, step[:, None])[:, 0]  # packed row: count, the run's tokens, drafts
+    if q > 1:
+        ids[:, 1:] = drafts[:B, :q - 1]
+    pos = batch.positions.view(-1, q)[:B]
+    pos += step[:, None]
+    slots = batch.block_tables[:B].gather(1, pos // block_size).to(pos.dtype) * block_size + pos % block_size
+    batch.slot_mapping.view(-1, q)[:B] = slots
+    batch.context_lens[:B] += step
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -199,8 +199,9 @@ class KVCache:
     def commit(self, seq_id: int, written_token_ids: list[int], num_accepted: int, hold: bool = False) -> None:
         """K/V were written for written_token_ids at [num_computed, num_computed + len); keeps the first
         num_accepted, rolls back the rest and enters newly full committed blocks into the prefix cache.
-        hold: with every token accepted the reservation past them stays (a step decoded ahead writes
-        there: spec/decode_ahead.py); a rejection rolls back as usual."""
+        hold: nothing is rolled back here, the reservation past the pointer stays (a step launched ahead
+        writes there: spec/decode_ahead.py, spec/verify_ahead.py; a verify ahead rewrites the rejected
+        drafts' positions); if that step is discarded, its discard rolls back."""
         s = self._seq(seq_id)
         n = len(written_token_ids)
         if not 0 <= num_accepted <= n:
@@ -214,7 +215,7 @@ class KVCache:
             raise ValueError(f"seq {seq_id}: committed ids at [{p0}, {p0 + in_prompt}) differ from the prompt")
         s.tokens.extend(accepted)
         s.num_computed += num_accepted
-        if not (hold and num_accepted == n):
+        if not hold:
             # nothing rejected: the tail past the pointer was not written this step (and was zero before)
             self.rollback(seq_id, s.num_computed, zero_tail=num_accepted < n)
         if self.cfg.enable_prefix_cache:
