@@ -60,18 +60,18 @@ def test_a_policy_switch_and_a_trigger_cut_discard_the_step_ahead() -> None:
     back, zero tails checked every step), the drafter's outputs of the step before restored, and the
     tokens stay those of the engine without it."""
     ref, eng = _engine("shell", False), _engine("shell", True)
-    prompts = _prompts(eng, "shell", 3)
-    params = [SamplingParams(max_tokens=45, ignore_eos=True)] * 3
-    first = ref.generate(prompts[:1], params[0])[0].token_ids
-    tag = next(t for i, t in enumerate(first) if i >= 12 and t not in first[:i])  # first emitted mid-run
+    prompts = _prompts(eng, "shell", 1)
+    params = [SamplingParams(max_tokens=60, ignore_eos=True)]
+    first = ref.generate(prompts, params[0])[0].token_ids
+    tag = [t for i, t in enumerate(first) if i >= 12 and t not in first[:i] + prompts[0]][-1]  # new after 12 tokens
     for e in (ref, eng):
         e.triggers = replace(e.triggers, tool_open_id=tag)
-    plan = dict(arrive={0: [0, 1, 2]}, abort={}, switch={3: "off", 5: "on"})
+    plan = dict(arrive={0: [0]}, abort={}, switch={3: "off", 5: "on"})
     want = _drive(ref, prompts, params, **plan)
     assert _drive(eng, prompts, params, **plan) == want
-    assert sum(run.count(tag) for run in want.values()) >= 1
+    assert tag in want["r0"]
     stats = eng.stats["verify_ahead"]
-    assert stats["discarded"] >= 2 and stats["used"] >= 2, stats
+    assert stats["discarded"] >= 2 and stats["used"] >= 1, stats  # the switch's and the cut's
 
 
 def test_sequences_crossing_a_width_bucket_stay_exact() -> None:
