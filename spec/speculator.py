@@ -115,16 +115,18 @@ class Speculator:
             plan.masks = StepMasks(self.vocab_size, plan.k, guided, self.device,
                                    {b: rows[b].seq.params.max_tokens - len(rows[b].seq.output_ids) for b in guided},
                                    kernel=self.mask_kernel, buffers=self._mask_buffers)
-        if (not prefills and decodes and len(set(want)) == 1 and self.runner.static_batch(len(decodes), 1 + want[0])
+        kmax = plan.k  # rows without drafts beside speculating ones verify kmax unkept (limits; scheduler.plan_drafts)
+        padded = kmax > 0 and all(w == kmax or (s.pad_k >= kmax and s.draft_ok) for s, w in zip(decodes, want))
+        if (not prefills and decodes and (len(set(want)) == 1 or padded) and self.runner.static_batch(len(decodes), 1 + kmax)
                 and (not drafting or self.drafter.min_confidence == 0)):
+            plan.limits = want if len(set(want)) > 1 else None
             committed = [self.kv.num_computed(s.seq_id) for s in decodes]
-            # the engine allows decode_steps > 1 only to greedy rows without drafts, with no rebuild, on
-            # attention-only models (specialists/multistep.py: one graph, one sync for `steps` tokens per row);
-            # never under a grammar (each token's mask depends on the one before)
+            # decode_steps > 1: greedy rows without drafts (specialists/multistep.py: one graph, one sync for
+            # `steps` tokens a row); never under a grammar (each token's mask depends on the one before)
             steps = 1 if guided else min(seq.decode_steps for seq in decodes)
             if steps > 1:
                 plan.multi = steps
-            plan.static = StaticShape(*self.runner.static_shape(len(decodes), max(committed) + max(1 + want[0], steps)),
+            plan.static = StaticShape(*self.runner.static_shape(len(decodes), max(committed) + max(1 + kmax, steps)),
                                       committed)
         return plan
 
@@ -172,7 +174,7 @@ class Speculator:
             drafts, counts = self.drafter.chain_guided(*self._static_chain_inputs(plan), guide)
         else:
             drafts, counts = self._draft(seqs, plan.k, guide)
-        plan.limits = [min(plan.k, n) for n in counts]
+        plan.limits = [min(lim, n) for lim, n in zip(plan.limits or [plan.k] * len(counts), counts)]
         if drafts.shape[1] < plan.k:
             drafts = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], plan.k - drafts.shape[1])], dim=1)
         return Proposal(drafts[:, :plan.k])
@@ -244,19 +246,17 @@ class Speculator:
                                 lambda: self._next_tokens(plan, forward, accepted.tokens), self.kv.num_computed)
         ahead = self.ahead and plan.k > 0 and self._rebuild_in_graph(plan) and plan.masks is None
         wait, self._ahead_wait = self._ahead_wait, None  # this step was launched ahead: its copy is queued
-        if ahead and accepted.packed.is_cuda:  # the one sync waits for the copy, not for the chain after it
+        drafts_next = None
+        if ahead:  # the one sync waits for the copy, not for the chain and the verify launched after it
             wait = wait or self.copies.start(accepted.packed)
             drafts_next = self._chain_ahead(plan, static)
             self.verifying.launch(plan, static, drafts_next, static.draft_out, self.drafter.rebuild)
-            host = wait()
-        else:
-            host = wait() if wait else accepted.packed.tolist()  # the step's one host sync (pageable: for a few words, faster than pinned + event)
-            drafts_next = self._chain_ahead(plan, static) if ahead else None
-            if ahead:  # the CPU: the same bookkeeping, without the overlap
-                self.verifying.launch(plan, static, drafts_next, static.draft_out, self.drafter.rebuild)
+        host = wait() if wait else accepted.packed.tolist()  # the step's one host sync (pageable: faster for a few words)
         runs, drafts = unpack(host, [r.k for r in plan.rows], plan.k)
-        if plan.limits is not None:  # a guided chain that stopped early: the graph's acceptance did not know
+        if plan.limits is not None:  # a guided chain that stopped early, padded rows: the graph's acceptance did not know
             runs = [run[:lim + 1] for run, lim in zip(runs, plan.limits)]
+            for r, lim in zip(plan.rows, plan.limits):  # the drafts it could keep (the engine's counts), not the layout's
+                r.k = min(r.k, lim)
         if ahead:  # valid next step if every run is committed whole and the same sequences decode
             self._ahead = AheadChain([r.seq_id for r in plan.rows],
                                      [c + len(run) for c, run in zip(plan.static.committed, runs)], plan.k, drafts_next)

@@ -53,7 +53,7 @@ class VerifyAhead(LaunchedAhead):
         """After a greedy static verify and its chain drafted ahead (`drafts` [Bp, k]): the next verify
         of the same rows, when the engine allows it and its KV can be reserved. -> launched."""
         rows, q = plan.rows, plan.k + 1
-        if self.allowed is None or not self.allowed(rows, q):
+        if self.allowed is None or plan.limits is not None or not self.allowed(rows, q):  # limits: kept counts differ
             return False
         try:
             for r in rows:

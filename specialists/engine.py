@@ -225,7 +225,7 @@ class Engine:
         rebuild = self.drafter is not None and policy.mode != "off" and status != "fallback"  # owed entries: caught up
         multi = self.runner.multi_steps(batch) if not rebuild and self.runner.static else 1
         k = min(self.gate.k_for(batch, guided), self.runner.max_drafts(batch)) if status == "on" else 0  # exact rows
-        self._plan_drafts(k, multi)
+        sched.plan_drafts(k, multi, self.runner.static, self.cfg.max_model_len)
         ahead = self.speculator.settle(sched.running)  # a step launched ahead runs these rows: no admission
         step = sched.schedule(speculating=status == "on", admit=not ahead)
         if step.empty:
@@ -277,17 +277,6 @@ class Engine:
         if status != "off" and timed and (status != "on" or any(row.k for row in rows)):
             seconds = time.perf_counter() - t - out.catchup_s
             self.gate.observe_time(status, len(rows), seconds, tokens, max(r.k for r in rows), guided)
-
-    def _plan_drafts(self, k: int, steps: int = 1) -> None:
-        """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call; and
-        how many greedy plain decodes it may run in one forward (steps, fewer near max_model_len)."""
-        for seq in self.scheduler.running:
-            room = self.cfg.max_model_len - seq.num_tokens - 1  # past max_model_len: no KV room
-            if not self.runner.static:  # static steps draft past max_tokens and cut (one graph per K)
-                room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
-            seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
-            # greedy plain decodes of a static batch: several per step (past max_tokens too, then cut)
-            seq.decode_steps = max(1, min(steps, room + 1)) if seq.params.greedy and not seq.spec_k else 1
 
     def _may_go_ahead(self, rows: list, steps: int, verify: bool = False) -> bool:
         """Whether the step after this one (`steps` tokens a row: a plain decode's, or a verify's) may be

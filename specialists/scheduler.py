@@ -57,6 +57,7 @@ class Sequence:
     generator: torch.Generator | None = None
     spec_k: int = 0  # drafts to verify this step (set by the engine before scheduling)
     decode_steps: int = 1  # greedy plain decodes this step may run in one forward (specialists/multistep.py)
+    pad_k: int = 0  # with spec_k 0 among speculating rows: drafts it verifies but never keeps, so the step stays static
     in_tool: bool = False  # inside a tool-call segment: decoded without speculation
     guide: Any = None  # spec.grammar.Guide: the request's grammar (None: free text)
     draft_ok: bool = False  # the drafter's entries cover every committed token
@@ -202,6 +203,23 @@ class Scheduler:
         hit = self.kv.cached_prefix(ids, usable)
         return not self.prefill_alone(new + [len(ids) - hit], cached + [hit])
 
+    def plan_drafts(self, k: int, steps: int, static: bool, max_model_len: int) -> None:
+        """Each running sequence's drafts this step: k, fewer near its limits, none in a tool call; how many
+        greedy plain decodes it may run in one forward (steps, fewer near max_model_len); and, on static
+        steps, the drafts a row without its own verifies unkept beside speculating rows (pad_k: the step
+        stays one static shape, a CUDA graph, instead of an eager mixed step; spec/speculator.py)."""
+        for seq in self.running:
+            room = max_model_len - seq.num_tokens - 1  # past max_model_len: no KV room
+            if not static:  # static steps draft past max_tokens and cut (one graph per K)
+                room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+            seq.spec_k = max(0, min(k, room)) if (seq.draft_ok and not seq.in_tool) else 0
+            # greedy plain decodes of a static batch: several per step (past max_tokens too, then cut)
+            seq.decode_steps = max(1, min(steps, room + 1)) if seq.params.greedy and not seq.spec_k else 1
+        top = max((seq.spec_k for seq in self.running), default=0)
+        for seq in self.running:
+            fits = static and top and seq.draft_ok and seq.spec_k < top <= max_model_len - seq.num_tokens - 1
+            seq.pad_k = top if fits else 0
+
     def _schedule_decodes(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         for seq in list(self.running):
@@ -211,13 +229,14 @@ class Scheduler:
                 try:
                     # room for [last, d1..dk], and with draft_lookahead for the k-1 chained entries the
                     # drafter writes past the accepted ones when it drafts the next step ahead
-                    extra = seq.spec_k - 1 if self.draft_lookahead and seq.spec_k else 0
-                    self.kv.reserve(seq.seq_id, max(1 + seq.spec_k + extra, seq.decode_steps))
+                    k = max(seq.spec_k, seq.pad_k)
+                    extra = k - 1 if self.draft_lookahead and k else 0
+                    self.kv.reserve(seq.seq_id, max(1 + k + extra, seq.decode_steps))
                     scheduled.append(seq)
                     break
                 except NoFreeBlocksError:
-                    if seq.spec_k or seq.decode_steps > 1:  # drop the drafts and steps ahead before preempting anyone
-                        seq.spec_k, seq.decode_steps = 0, 1
+                    if seq.spec_k or seq.pad_k or seq.decode_steps > 1:  # drop the drafts and steps ahead before preempting anyone
+                        seq.spec_k, seq.pad_k, seq.decode_steps = 0, 0, 1
                         continue
                     victim = self.running[-1]
                     self.preempt(victim)
