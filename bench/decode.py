@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-decode-ahead", action="store_true",
                         help="launch no plain step before the host has read the one before (spec/decode_ahead.py; "
                              "default: on with CUDA graphs)")
+    parser.add_argument("--no-verify-ahead", action="store_true",
+                        help="launch no verify before the host has read the one before (spec/verify_ahead.py; "
+                             "default: on with CUDA graphs, attention-only models)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=None,
                         help="a fresh prompt's prefill as a CUDA graph up to N tokens (specialists/prefill_graph.py; "
                              "default: 2048 with CUDA graphs in half precision; 0: every prefill eager)")
@@ -156,6 +159,7 @@ def _load(args: argparse.Namespace) -> Sides:
         return Engine.from_pretrained(str(args.model), device=args.device, dtype=dtype, max_num_seqs=args.batch_size,
                                       policy=pol, decode_steps=args.decode_steps, quantization=args.quantization,
                                       decode_ahead=False if args.no_decode_ahead else None, prefill_graph_tokens=args.prefill_graph_tokens,
+                                      verify_ahead=False if args.no_verify_ahead else None,
                                       draft_vocab_size=args.draft_vocab, draft_min_confidence=args.draft_min_confidence)
 
     # with --spec-k two identical engines, each running both sides in turn (the module's docstring says why)
@@ -202,6 +206,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     engine_tok_s = sum(len(o) for o in ours) / t_engine if t_engine > 0 else 0.0
     result = {"model": str(args.model), "device": args.device, "batch_size": args.batch_size,
               "quantization": sides.engine.cfg.quantization, "decode_ahead": sides.engine.stats["decode_ahead"],
+              "verify_ahead": sides.spec_engine.stats["verify_ahead"] if sides.spec_engine is not None else None,
               "prefill_graph_tokens": sides.engine.cfg.prefill_graph_tokens, "padded_prefills": sides.engine.stats["padded_prefills"],
               "padded_hit_prefills": sides.engine.stats["padded_hit_prefills"],
               "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
