@@ -116,7 +116,7 @@ class Speculator:
                                    {b: rows[b].seq.params.max_tokens - len(rows[b].seq.output_ids) for b in guided},
                                    kernel=self.mask_kernel, buffers=self._mask_buffers)
         kmax = plan.k  # rows without drafts beside speculating ones verify kmax unkept (limits; scheduler.plan_drafts)
-        padded = kmax > 0 and all(w == kmax or (s.pad_k >= kmax and s.draft_ok) for s, w in zip(decodes, want))
+        padded = kmax > 0 and all(w == kmax or s.pad_k >= kmax for s, w in zip(decodes, want))  # pad_k: KV reserved
         if (not prefills and decodes and (len(set(want)) == 1 or padded) and self.runner.static_batch(len(decodes), 1 + kmax)
                 and (not drafting or self.drafter.min_confidence == 0)):
             plan.limits = want if len(set(want)) > 1 else None

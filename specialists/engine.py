@@ -313,8 +313,9 @@ class Engine:
         return kept, events
 
     def _check_invariants(self) -> None:
-        for seq in (s for s in self.scheduler.running if self.kv.num_computed(s.seq_id) != s.num_tokens - 1):
-            raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {seq.num_tokens - 1}")
+        for seq in self.scheduler.running:
+            if self.kv.num_computed(seq.seq_id) != seq.num_tokens - 1:
+                raise AssertionError(f"seq {seq.seq_id}: KV pointer {self.kv.num_computed(seq.seq_id)} != committed {seq.num_tokens - 1}")
 
     def _emit(self, seq: Sequence, run: list[int], event: str | None) -> RequestOutput:
         p = seq.params

@@ -217,7 +217,7 @@ class Scheduler:
             seq.decode_steps = max(1, min(steps, room + 1)) if seq.params.greedy and not seq.spec_k else 1
         top = max((seq.spec_k for seq in self.running), default=0)
         for seq in self.running:
-            fits = static and top and seq.draft_ok and seq.spec_k < top <= max_model_len - seq.num_tokens - 1
+            fits = static and seq.draft_ok and seq.spec_k < top <= max_model_len - seq.num_tokens - 1
             seq.pad_k = top if fits else 0
 
     def _schedule_decodes(self) -> list[Sequence]:
