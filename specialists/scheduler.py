@@ -120,7 +120,8 @@ class Scheduler:
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
         self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
         # (new tokens, cached tokens) of prompts that prefill as one CUDA graph when alone in their step
-        # (specialists/prefill_graph.py); None: never. The running decodes wait one step for such a step, not two in a row
+        # (specialists/prefill_graph.py); None: never. The running decodes wait one step for such a step, and the
+        # step after it is theirs alone (their graph: no eager mixed step, whose products change with its row count)
         self.prefill_alone: Callable[[list[int], list[int]], bool] | None = None
         self._decodes_waited = False
 
@@ -153,9 +154,14 @@ class Scheduler:
         hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). With
         prefill_alone (prefill graphs), admission stops where the step would stop being one prefill graph,
         and such a step runs without the decodes (a speculating step's rebuild keeps the waiting
-        sequences' chain starts: spec/speculator.py's _rebuild), unless they waited the step before."""
+        sequences' chain starts: spec/speculator.py's _rebuild); the step after it runs the decodes alone.
+        A half-precision step past decode_fused.MAX_ROWS rows is eager, through products whose bits move
+        with the row count: prompts mixed with a verify's rows would prefill other bits than beside the
+        same decodes plain, and speculative output would differ from plain (tests/test_cuda_half_paths.py)."""
         usable = self._usable(speculating)
         decodes = self._schedule_decodes()
+        if self._decodes_waited and decodes:
+            admit = False
         prefills: list[tuple[Sequence, list[int]]] = []
         budget = self.max_num_batched_tokens - len(decodes)
         while admit and self.waiting and len(self.running) < self.max_num_seqs:
@@ -183,8 +189,7 @@ class Scheduler:
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached
-        if decodes and prefills and self.prefill_alone is not None and not self._decodes_waited \
-                and self.prefill_alone(*_counts(prefills)):
+        if decodes and prefills and self.prefill_alone is not None and self.prefill_alone(*_counts(prefills)):
             if not speculating:  # no rebuild to keep the drafter outputs their chains start from (spec/speculator.py):
                 for waits in decodes:  # they draft again after a step that rebuilds them
                     waits.draft_ok = False

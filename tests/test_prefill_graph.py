@@ -110,8 +110,8 @@ def test_warming_the_row_tiles_leaves_every_state_as_it_was(domain: str) -> None
 def test_which_steps_prefill_padded() -> None:
     """Padded: a fresh prompt, two short fresh prompts in one step (rows of 128), a prompt alone after a
     prefix hit (a graph per length and context width), a hybrid's fresh prompt; prompts that one graph
-    cannot take together (2 x 512 > 512 tokens) are admitted a step apart, and prompts among decodes
-    that waited the step before run with them. Eager: a prompt past the cap, a hit whose context and
+    cannot take together (2 x 512 > 512 tokens) are admitted a step apart, and after decodes waited a
+    step the next one is theirs alone (no eager mixed step). Eager: a prompt past the cap, a hit whose context and
     padded length pass the widest context (the model's 2,048 positions here)."""
     prompts = _prompts(2, (40, 70))
     llama = _engine("shell", 512)
@@ -127,27 +127,34 @@ def test_which_steps_prefill_padded() -> None:
     together = [x, y, prompts[0] * 2 + [5], z]
     eager = _engine("shell", 0)
     assert [o.token_ids for o in llama.generate(together, params)] == [o.token_ids for o in eager.generate(together, params)]
-    # 160 alone (280 more would pass the cap), then 280 alone (with the hit: 2 rows of 512), then the hit
-    # and 50 with the decodes, which waited the step before: eager
-    assert llama.stats["padded_prefills"] == 5 and llama.stats["padded_hit_prefills"] == 1
+    # 160 alone (280 more would pass the cap), then 280 alone (the decodes wait), the decodes alone, then
+    # the hit and 50 as one graph (the decodes wait again)
+    assert llama.stats["padded_prefills"] == 6 and llama.stats["padded_hit_prefills"] == 2
     assert llama.stats["prefix_hit_tokens"] == 64 + 80
     long = _prompts(3, (1700,))[0]
     llama.generate([long], SamplingParams(max_tokens=1))  # eager: past the cap
     llama.generate([long[:1600] + prompts[1] * 4], params)  # 1,600 cached + 280 new padded to 512 > 2,048
-    assert llama.stats["padded_prefills"] == 5 and llama.stats["prefix_hit_tokens"] >= 144 + 1600 and llama.steps > steps
+    assert llama.stats["padded_prefills"] == 6 and llama.stats["prefix_hit_tokens"] >= 144 + 1600 and llama.steps > steps
     hybrid, eager = _engine("cpp", 512), _engine("cpp", 0)  # a hybrid's fresh prompt: padded too
     assert hybrid.generate([prompts[1]], params)[0].token_ids == eager.generate([prompts[1]], params)[0].token_ids
     assert hybrid.stats["padded_prefills"] == 1
 
 
 def test_running_decodes_never_wait_two_steps_in_a_row() -> None:
-    """Three fresh 200-token prompts arrive among a running decode (cap 256: one a graph): the first
-    prefills alone (the decode waits), the second with the decode (eager: it waited the step before),
-    the third alone again; greedy tokens equal the eager engine's."""
+    """Three fresh 200-token prompts arrive among a running decode (cap 256: one a graph): each prefills
+    alone (the decode waits) and the decode runs alone the step after, never waiting two steps in a row;
+    greedy tokens equal the eager engine's."""
     a, *late = _prompts(8, (30, 200, 200, 200))
     padded, eager = _engine("shell", 256), _engine("shell", 0)
     (toks, rows), (ref, _) = _staggered(padded, [a], late), _staggered(eager, [a], late)
-    assert toks == ref and rows == 1 and padded.stats["padded_prefills"] == 3
+    assert toks == ref and rows == 1 and padded.stats["padded_prefills"] == 4  # a, then each of the three
+    rid = padded.add_request(a[::-1], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        padded.step()
+    for p in late:
+        padded.add_request(p[::-1], SamplingParams(max_tokens=4, ignore_eos=True))
+    progressed = [any(o.request_id == rid for o in padded.step()) for _ in range(8)]
+    assert progressed[:6] == [False, True] * 3 and padded.stats["padded_prefills"] == 8  # alone, then the decode
 
 
 def _hit_prefill(engine: Engine, cached: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
