@@ -176,9 +176,9 @@ def test_fused_products_bench_runs_and_agrees(tmp_path, capsys) -> None:
                                           "lm_head_mma"}
     assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 18
     fused_products.main(["--shapes", "tiny-bamba", "--rows", "2", "--device", "cpu", "--results", str(out),
-                         "--pieces", "in_proj_mma", "out_proj_mma"])  # a hybrid's Mamba products (exact_linear's)
+                         "--pieces", "in_proj_mma", "out_proj_mma", "in_proj_norm_mma"])  # a hybrid's Mamba products
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["shape"], r["piece"]) for r in rows[18:]] == [("tiny-bamba", "in_proj_mma"), ("tiny-bamba", "out_proj_mma")]
+    assert [(r["shape"], r["piece"]) for r in rows[18:]] == [("tiny-bamba", p) for p in ("in_proj_mma", "in_proj_norm_mma", "out_proj_mma")]
     assert all(r["max_abs_diff"] < 1e-4 for r in rows), [(r["piece"], r["max_abs_diff"]) for r in rows]
     assert all(r["weight_mb"] > 0 for r in rows if r["piece"] not in ("norm", "silu_mul"))
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from specialists.ops.linear import exact_linear
 from specialists.ops.mamba2 import Mamba2Params
 
-__all__ = ["mamba2_step_fused", "mixer_step"]
+__all__ = ["mamba2_layer_fused", "mamba2_step_fused", "mixer_step"]
 
 _ACT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -165,6 +165,20 @@ def mamba2_step_fused(
     zx = exact_linear(u.reshape(B * q, d), p.in_proj_weight, p.in_proj_bias)  # [B q, d_inner + conv_dim + H]
     normed, convs, states = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out)
     return exact_linear(normed, p.out_proj_weight, p.out_proj_bias).view(B, q, -1), convs, states
+
+
+def mamba2_layer_fused(p: Mamba2Params, gain: torch.Tensor, eps: float, h: torch.Tensor, B: int, q: int,
+                       conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor | None,
+                       out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A hybrid's Mamba layer on the decode path (decode_fused.enabled(h): CUDA, half precision, at most
+    MAX_ROWS rows): h [B q, d] += mixer(rms_norm(h) * gain), in place, with the RMSNorm in in_proj's
+    prologue and the residual add in out_proj's epilogue (decode_fused.mma: two kernels fewer a layer
+    than mamba2_step_fused beside a norm and an add); the states as mamba2_step_fused's `out`."""
+    from specialists.ops import decode_fused  # Triton: a GPU install has it
+
+    zx = decode_fused.mma(h, p.in_proj_weight, p.in_proj_bias, gain=gain, eps=eps)
+    normed, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out)
+    decode_fused.mma(normed, p.out_proj_weight, p.out_proj_bias, residual=h)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,18 @@ import torch
 
 from specialists.ops.mamba2 import Mamba2Params, _conv, _dt, _gated_norm_out, _in_proj, _split_xbc, _use_triton, segsum
 
-__all__ = ["fused_mamba", "mamba2_multi_step", "mamba2_verify", "StateFactors"]
+__all__ = ["fused_mamba", "fused_mamba_layers", "mamba2_multi_step", "mamba2_verify", "StateFactors"]
 
 
 def fused_mamba(device: torch.device) -> bool:
     """The fused step (mamba2_fused.py) on this device: CUDA, and CANTATA_FUSED_MAMBA not 0 (A/B runs)."""
     return device.type == "cuda" and os.environ.get("CANTATA_FUSED_MAMBA", "1") != "0"
+
+
+def fused_mamba_layers(device: torch.device) -> bool:
+    """A hybrid's Mamba layers on the decode path carry their RMSNorm and residual add in the products
+    (mamba2_fused.mamba2_layer_fused): fused_mamba, and CANTATA_FUSED_MAMBA_LAYER not 0 (A/B runs)."""
+    return fused_mamba(device) and os.environ.get("CANTATA_FUSED_MAMBA_LAYER", "1") != "0"
 
 
 @dataclass
