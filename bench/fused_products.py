@@ -10,7 +10,7 @@ One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), s
 as its C operand), and the products through `mma` with their neighbours (qkv and gate_up: RMSNorm +
 product; o: product + residual; down: SiLU * up + product + residual, against the torch ops; the lm_head
 and a hybrid's Mamba in_proj / out_proj, plain products, against F.linear; in_proj_norm_mma: the
-in_proj under the RMSNorm, as a static step's Mamba layer runs it), with
+in_proj under the RMSNorm, tried for a static step's Mamba layer and not kept: slower), with
 torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's weight bytes per
 second. A side that adds to the residual in place also copies it each call (~2 us). --sweep also
 times tile configurations of mma at one and four rows (sweep: [[config, us, us at four rows], ...],
@@ -89,7 +89,7 @@ def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
         x = torch.randn(m, k, device=dev, dtype=dt)
         out[name] = ([lambda w=w, x=x: F.linear(x, w) for w in ws],
                      [lambda w=w, x=x: D.mma(x, w, config=config) for w in ws], n * k * 2)
-        if name == "in_proj_mma":  # a static step's Mamba layer: the RMSNorm in the product (mamba2_layer_fused)
+        if name == "in_proj_mma":  # the RMSNorm in the product: slower than a norm kernel and the plain product
             out["in_proj_norm_mma"] = ([lambda w=w: F.linear(F.rms_norm(h, (d,), g, EPS), w) for w in ws],
                                        [lambda w=w: D.mma(h, w, gain=g, eps=EPS, config=config) for w in ws], n * k * 2)
     return out

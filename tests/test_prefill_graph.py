@@ -153,8 +153,9 @@ def test_running_decodes_never_wait_two_steps_in_a_row() -> None:
         padded.step()
     for p in late:
         padded.add_request(p[::-1], SamplingParams(max_tokens=4, ignore_eos=True))
-    progressed = [any(o.request_id == rid for o in padded.step()) for _ in range(8)]
-    assert progressed[:6] == [False, True] * 3 and padded.stats["padded_prefills"] == 8  # alone, then the decode
+    progressed = [any(o.request_id == rid for o in padded.step()) for _ in range(8)]  # on a GPU a step decoded
+    assert progressed.count(False) == 3 and padded.stats["padded_prefills"] == 8  # ahead may come first; each
+    assert all(progressed[i] or progressed[i + 1] for i in range(7))  # prompt alone, then the decode alone
 
 
 def _hit_prefill(engine: Engine, cached: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -324,9 +325,12 @@ def test_a_fresh_prompt_arriving_among_decodes_prefills_alone(mode: str) -> None
         ids = [padded.add_request(p, params) for p in ([t + 2 for t in a], [t + 2 for t in b])]
         for _ in range(3):
             padded.step()
-        before = {sid: spec._draft_out[i].clone() for sid, i in spec._draft_index.items()}
         padded.add_request([t + 2 for t in c], params)
-        assert len(padded.step()) == 1 and set(before) <= set(spec._draft_index)
+        for ahead in range(2):  # on a GPU a verify launched ahead before the arrival comes first (the decodes)
+            before = {sid: spec._draft_out[i].clone() for sid, i in spec._draft_index.items()}
+            if len(padded.step()) == 1:
+                break
+        assert (ahead == 0 or CUDA) and set(before) <= set(spec._draft_index)
         assert all(torch.equal(spec._draft_out[spec._draft_index[sid]], row) for sid, row in before.items())
         for rid in ids:
             padded.abort(rid)

@@ -80,12 +80,12 @@ class BambaModel(DecoderBase):
         return self._n_mamba
 
     def _mamba_static(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm,
-                      gain: torch.Tensor | None = None) -> torch.Tensor | None:
+                      residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """A static batch (rows of q tokens each, CUDA graphs): states read through the device slot
         tensor, nothing written; the per-token states go to the batch's staged buffer views
         (batch.staged_out [Bp, q, L, ...], specialists/staged_states.py), where the commit takes one
-        token's states of every layer in one go. With `gain` (the decode path, fused_mamba_layers): x is
-        the residual stream, normed in in_proj and added to in place (ops/mamba2_fused.mamba2_layer_fused)."""
+        token's states of every layer in one go. With `residual` (the decode path, fused_mamba_layers): the
+        mixer's output is added to it in out_proj (ops/mamba2_fused.mamba2_layer_fused); None returned."""
         B, q = batch.num_seqs, batch.max_query_len
         out = batch.staged_out
         carry = getattr(batch, "ssm_carry", None)  # a multi-step decode's states after its step before
@@ -94,10 +94,10 @@ class BambaModel(DecoderBase):
         else:
             conv, state, slots = ssm.conv[:, layer], ssm.ssm[:, layer], batch.ssm_slots
         staged = (out.conv[:, :, layer], out.ssm[:, :, layer])
-        if gain is not None:
+        if residual is not None:
             from specialists.ops.mamba2_fused import mamba2_layer_fused  # Triton: a GPU install has it
 
-            return mamba2_layer_fused(p, gain, self.eps, x, B, q, conv, state, slots, staged)
+            return mamba2_layer_fused(p, x, residual, B, q, conv, state, slots, staged)
         y, _, _ = mamba2_multi_step(p, x.view(B, q, -1), conv, state, slots=slots, out=staged)
         return y.reshape(B * q, -1)
 
@@ -182,7 +182,7 @@ class BambaModel(DecoderBase):
             elif layer.attn is not None:
                 h = h + attention_block(layer.attn, rms_norm(h, layer.input_norm, self.eps), cos, sin, kv.k[i], kv.v[i], batch)
             elif fused and batch.static and fused_mamba_layers(h.device):
-                self._mamba_static(layer.mamba, i, h, batch, ssm, gain=layer.input_norm)  # h += mixer, in place
+                self._mamba_static(layer.mamba, i, rms_norm(h, layer.input_norm, self.eps), batch, ssm, residual=h)
             else:
                 h = h + self._mamba(layer.mamba, i, rms_norm(h, layer.input_norm, self.eps), batch, ssm)
             if fused:

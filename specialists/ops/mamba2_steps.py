@@ -25,7 +25,7 @@ def fused_mamba(device: torch.device) -> bool:
 
 
 def fused_mamba_layers(device: torch.device) -> bool:
-    """A hybrid's Mamba layers on the decode path carry their RMSNorm and residual add in the products
+    """A hybrid's Mamba layers on the decode path carry their residual add in out_proj
     (mamba2_fused.mamba2_layer_fused): fused_mamba, and CANTATA_FUSED_MAMBA_LAYER not 0 (A/B runs)."""
     return fused_mamba(device) and os.environ.get("CANTATA_FUSED_MAMBA_LAYER", "1") != "0"
 
