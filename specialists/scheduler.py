@@ -120,8 +120,9 @@ class Scheduler:
         self.snapshots: SSMSnapshots | None = None  # a hybrid's prefix hits end where a Mamba state is kept
         self.draft_marks: DraftMarks | None = None  # with a drafter: which cached blocks hold its entries
         # (new tokens, cached tokens) of prompts that prefill as one CUDA graph when alone in their step
-        # (specialists/prefill_graph.py); None: never. The running decodes wait one step for such a step, and the
-        # step after it is theirs alone (their graph: no eager mixed step, whose products change with its row count)
+        # (specialists/prefill_graph.py); None: never. With it prompts and decodes never share a step: the running
+        # decodes wait one step for the prompts' (a graph, or eager past the cap), and the step after it is theirs
+        # alone (their graph: no eager mixed step, whose products change bits with its row count)
         self.prefill_alone: Callable[[list[int], list[int]], bool] | None = None
         self._decodes_waited = False
 
@@ -153,8 +154,9 @@ class Scheduler:
         """The step's decodes and the prefills admitted (speculating: a prefix hit ends on blocks that
         hold the drafter's entries; admit False: none, the batch is a step decoded ahead's). With
         prefill_alone (prefill graphs), admission stops where the step would stop being one prefill graph,
-        and such a step runs without the decodes (a speculating step's rebuild keeps the waiting
-        sequences' chain starts: spec/speculator.py's _rebuild); the step after it runs the decodes alone.
+        and a step of prompts (a graph, or a prompt past the cap, eagerly) runs without the decodes (a
+        speculating step's rebuild keeps the waiting sequences' chain starts: spec/speculator.py's
+        _rebuild); the step after it runs the decodes alone.
         A half-precision step past decode_fused.MAX_ROWS rows is eager, through products whose bits move
         with the row count: prompts mixed with a verify's rows would prefill other bits than beside the
         same decodes plain, and speculative output would differ from plain (tests/test_cuda_half_paths.py)."""
@@ -163,11 +165,12 @@ class Scheduler:
         if self._decodes_waited and decodes:
             admit = False
         prefills: list[tuple[Sequence, list[int]]] = []
-        budget = self.max_num_batched_tokens - len(decodes)
+        apart = self.prefill_alone is not None  # prompts and decodes in steps of their own
+        budget = self.max_num_batched_tokens - (0 if apart else len(decodes))
         while admit and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             ids = seq.all_ids
-            if len(ids) > budget and (prefills or decodes):
+            if len(ids) > budget and (prefills or (decodes and not apart)):
                 break
             if not self.kv.can_allocate(len(ids) + 1) or (self.ssm is not None and self.ssm.num_free() == 0):
                 break
@@ -189,12 +192,12 @@ class Scheduler:
             self.running.append(seq)
             prefills.append((seq, ids[cached:]))
             budget -= len(ids) - cached
-        if decodes and prefills and self.prefill_alone is not None and self.prefill_alone(*_counts(prefills)):
+        if decodes and prefills and apart:  # a graph, or eager (past the graphs' cap)
             if not speculating:  # no rebuild to keep the drafter outputs their chains start from (spec/speculator.py):
                 for waits in decodes:  # they draft again after a step that rebuilds them
                     waits.draft_ok = False
             self._decodes_waited = True
-            return ScheduledStep(prefills, [])  # the decodes wait a step: a prefill graph, not one eager mixed step
+            return ScheduledStep(prefills, [])  # the decodes wait a step: the prompts alone, not one eager mixed step
         self._decodes_waited = False
         return ScheduledStep(prefills, decodes)
 

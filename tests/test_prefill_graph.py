@@ -158,6 +158,21 @@ def test_running_decodes_never_wait_two_steps_in_a_row() -> None:
     assert all(progressed[i] or progressed[i + 1] for i in range(7))  # prompt alone, then the decode alone
 
 
+def test_a_prompt_past_the_cap_prefills_alone_too() -> None:
+    """A prompt past the graphs' cap (300 tokens, cap 256) arriving among running decodes prefills eagerly
+    in a step of its own (in half precision an eager mixed step's products change bits with its row
+    count), then the decodes run alone; greedy tokens equal the eager engine's, and a prompt longer than
+    max_num_batched_tokens minus the running decodes is still admitted while they run."""
+    a, b = _prompts(9, (30, 40))
+    late = _prompts(10, (300,))
+    padded, eager = _engine("shell", 256), _engine("shell", 0)
+    (toks, rows), (ref, ref_rows) = _staggered(padded, [a, b], late), _staggered(eager, [a, b], late)
+    assert toks == ref and (rows, ref_rows) == (1, 3) and padded.stats["padded_prefills"] == 1  # a and b: one graph
+    padded.scheduler.max_num_batched_tokens = 301  # the prompt fits the budget alone, not beside 2 decodes
+    (toks, rows) = _staggered(padded, [p[::-1] for p in (a, b)], [late[0][::-1]])
+    assert rows == 1 and len(toks) == 3
+
+
 def _hit_prefill(engine: Engine, cached: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The runner's step for `new` after `cached` (put in the KV cache by an eager step first) -> (its
     last logits row, hidden states, the K of every layer it wrote)."""
