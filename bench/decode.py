@@ -199,7 +199,10 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     engines = [e for e in (sides.engine, sides.spec_engine) if e is not None]
     hits = lambda: sum(e.stats.get("prefix_hit_tokens", 0) for e in engines) // len(engines)  # noqa: E731 - a side's
     hits_before = hits()
+    captures = lambda: sum(e.stats["graph_captures"] for e in {id(e): e for e in engines}.values())  # noqa: E731
+    captures_before = captures()
     ours, spec, t_engine, t_spec = timed_engines(sides, batches, args.spec_k, args.repeat)
+    captured_timed = captures() - captures_before  # graphs captured inside the timed run (their cost is in it)
     lens = iter(len(o) for o in ours)  # the longest output of each batch: the decode steps one sequence waited
     args.token_steps = sum(max(next(lens) for _ in batch) for batch in batches)
     prefix_hits = args.spec_prefix_hits = hits() - hits_before  # both engines ran both sides alike
@@ -208,7 +211,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
               "quantization": sides.engine.cfg.quantization, "decode_ahead": sides.engine.stats["decode_ahead"],
               "verify_ahead": sides.spec_engine.stats["verify_ahead"] if sides.spec_engine is not None else None,
               "prefill_graph_tokens": sides.engine.cfg.prefill_graph_tokens, "padded_prefills": sides.engine.stats["padded_prefills"],
-              "padded_hit_prefills": sides.engine.stats["padded_hit_prefills"],
+              "padded_hit_prefills": sides.engine.stats["padded_hit_prefills"], "graphs_captured_timed": captured_timed,
               "engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": None, "ratio": None, "identical": None}
     t_hf = 0.0
     if not args.skip_hf:

@@ -110,8 +110,14 @@ def warm_up(sides: Sides, batches: list[list[list[int]]], skip_hf: bool) -> None
     """CUDA graphs of every decode / verify shape, both engines, before anything is timed (0 on CPU);
     then every batch's prefill and decode shapes, both sides (a kernel's first call with a new shape
     may compile it; the side that met it first in the timed run would pay). On reversed prompts, so
-    that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix)."""
+    that the timed run gets no prefix-cache hits from the warm-up (only from prompts sharing a prefix).
+    Each engine captures under the speculating side's policy (its K and k_choices): the first engine,
+    left at mode off with the default K, captured K=3 graphs where the run verified K=5, and the
+    shapes the warm-up's short runs never reached (batch 4, 2 and 1 at width 512, the tails of batches)
+    were captured inside the timed run, ~20 ms a bucket on that side (H200, cpp, session 30)."""
     for eng in (e for e in (sides.engine, sides.spec_engine) if e is not None):
+        if sides.spec_engine is not None:
+            sides.side(eng, True)
         eng.capture_graphs()  # its speculative shapes too, under mode off: either engine runs either side
     warm_n = min(sides.n, WARMUP_TOKENS)
     for batch in tqdm(batches, desc="warm-up", unit="batch", file=sys.stderr):

@@ -169,6 +169,8 @@ class Engine:
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "decode_ahead": self.speculator.decoding.stats(),
                 "verify_ahead": self.speculator.verifying.stats(),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                # CUDA graphs captured so far (target and drafter): one captured while serving stalls its step ~5-20 ms
+                "graph_captures": self.runner.graphs.captures + (self.drafter.graphs.captures if self.drafter is not None else 0),
                 **self.runner.graph_stats(), **(self.snapshots.stats() if self.snapshots is not None else {})}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:

@@ -173,6 +173,24 @@ def test_sides_swap_whole_gates() -> None:
     assert spec_gate.snapshot()["window_drafted"] == 3
 
 
+def test_both_engines_capture_their_graphs_under_the_speculating_policy(monkeypatch) -> None:
+    """bench.decode's warm-up captures each engine's graphs under the speculative side's policy: the
+    first engine, left at mode off with the default K, captured K=3 graphs where the run verified K=5,
+    and the shapes the warm-up never reached were captured inside the timed run (H200, session 30)."""
+    from bench.decode_sides import Sides, warm_up
+    from policies.policy import SpeculationPolicy
+    from specialists.engine import Engine
+
+    policy = SpeculationPolicy(mode="auto", num_speculative_tokens=5, auto={"k_choices": [1, 5]})
+    engines = [Engine.from_pretrained(str(BUILD), policy=policy, max_num_seqs=2) for _ in range(2)]
+    engines[0].set_policy(SpeculationPolicy(mode="off"))  # as bench.decode leaves its first engine
+    seen = []
+    monkeypatch.setattr(Engine, "capture_graphs", lambda self, *a, **k: seen.append(
+        (self.gate.policy.mode, self.gate.policy.num_speculative_tokens, tuple(self.gate.policy.auto.k_choices))) or 0)
+    warm_up(Sides(engines[0], engines[1], None, 0, "cpu", 4, policy), [[[5, 6, 7, 8]]], skip_hf=True)
+    assert seen == [("auto", 5, (1, 5))] * 2
+
+
 def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
     """Lesson 1: no speculative figures from a checkpoint without trained drafter weights."""
     bare = tmp_path / "nodrafter"
