@@ -37,6 +37,8 @@ round takes from the prefix cache what that side cached (bench/decode_sides.py `
 out the first, where the auto gate is still judging. With --policy auto: `gates` (each engine's
 speed-up and slow verdicts per bucket) and `step_times` (both engines' timed steps by what the gate
 decided, "off" the plain side: steps, seconds, tokens, us per token; where auto's time went).
+speedup_ci95: a 95% bootstrap interval of speedup over the timed (plain, speculative) pairs of
+batches (timed_pairs of them): whether a speed-up differs from 1.0 by more than the run's noise.
 
 prefix_hit_tokens (and spec_prefix_hit_tokens) count the prompt tokens the timed run took from the
 prefix cache. With prompts that share a long head (bench/data/cpp/shared_prefix.jsonl: one system
@@ -59,7 +61,7 @@ from transformers import AutoModelForCausalLM
 from bench import prefix_ttft
 from bench.common import DTYPES, checkpoint_id, device_name, git_commit, prompt_text, read_jsonl, record
 from bench.decode_shape import add_arguments, bound_figures, prepare_shape, shape_names
-from bench.decode_sides import Sides, timed, timed_engines, warm_up
+from bench.decode_sides import Sides, speedup_interval, timed, timed_engines, warm_up
 
 log = logging.getLogger("bench.decode")
 
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
            **({"repeat": args.repeat, "repeat_identical": not sides.repeat_differs,
                "speedup_after_first_round": round(sides.later_ratio, 4) if sides.later_ratio else None}
               if args.repeat > 1 else {}),
+           **({"speedup_ci95": speedup_interval(sides.pairs), "timed_pairs": len(sides.pairs)} if sides.pairs else {}),
            "dtype": args.dtype, "prompt_tokens": sum(len(p) for p in prompts),
            "prefix_hit_tokens": prefix_hits, "checkpoint": ident,
            "device_name": device_name(args.device), "commit": git_commit()}

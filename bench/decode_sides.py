@@ -73,6 +73,7 @@ class Sides:
     policy: Any = None  # the speculative side's policy (with --spec-k: both engines can take it)
     repeat_differs: bool = False  # a later --repeat round gave other tokens than the first
     later_ratio: float | None = None  # plain / speculative time over the rounds after the first
+    pairs: list = field(default_factory=list)  # (plain s, speculative s) of each batch and round, timed back to back
 
     gates: dict = field(default_factory=dict)  # id(engine) -> (its speculating gate, its plain gate)
     request_stats: list = field(default_factory=list)  # (RequestStats, tokens) of run_engine's requests
@@ -173,6 +174,7 @@ def timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | No
             (plain, dt), (out, dt_spec) = runs[False], runs[True]
             t_engine += dt
             t_spec += dt_spec
+            sides.pairs.append((dt, dt_spec))
             later[0] += dt if r else 0.0
             later[1] += dt_spec if r else 0.0
             if first is None:
@@ -185,3 +187,23 @@ def timed_engines(sides: Sides, batches: list[list[list[int]]], spec_k: int | No
     sides.side(sides.engine, False)  # the roles back (later probes run engine plain, spec_engine speculating)
     sides.side(sides.spec_engine, True)
     return ours, spec, t_engine / repeat, t_spec / repeat
+
+
+def speedup_interval(pairs: list[tuple[float, float]], draws: int = 2000, seed: int = 0) -> list[float] | None:
+    """A 95% bootstrap interval of the speed-up (summed plain time over summed speculative time) over
+    the (plain, speculative) pairs of a run: each pair ran back to back on one batch, so the machine's
+    drift hits both; pairs drawn with replacement `draws` times (a fixed seed: the same run gives the
+    same interval). Two sides running identical plain steps (batch 32, nothing speculating) read 0.94-1.20
+    in single H100/H200 runs: a speed-up is only "above" or "below" 1.0 outside this interval."""
+    import random
+
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(draws):
+        draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        spec = sum(b for _, b in draw)
+        stats.append(sum(a for a, _ in draw) / spec if spec > 0 else float("inf"))
+    stats.sort()
+    return [round(stats[int(0.025 * draws)], 4), round(stats[int(0.975 * draws) - 1], 4)]

@@ -191,6 +191,30 @@ def test_both_engines_capture_their_graphs_under_the_speculating_policy(monkeypa
     assert seen == [("auto", 5, (1, 5))] * 2
 
 
+def test_the_speedup_interval_brackets_the_run_and_widens_with_noise() -> None:
+    """speedup_ci95 over (plain, speculative) pairs: it brackets the summed ratio, is a point when every
+    pair has one ratio, is wider when the pairs disagree, and is the same for the same pairs."""
+    from bench.decode_sides import speedup_interval
+
+    assert speedup_interval([(1.0, 0.5)]) is None
+    assert speedup_interval([(1.0, 0.5)] * 10) == [2.0, 2.0]
+    steady = [(1.0 + 0.01 * (i % 3), 1.0) for i in range(40)]
+    noisy = [(1.0 + 0.3 * (i % 3), 1.0) for i in range(40)]
+    lo, hi = speedup_interval(steady)
+    ratio = sum(a for a, _ in steady) / sum(b for _, b in steady)
+    assert lo <= ratio <= hi and hi - lo < 0.01
+    lo2, hi2 = speedup_interval(noisy)
+    assert hi2 - lo2 > 10 * (hi - lo) and speedup_interval(noisy) == [lo2, hi2]
+
+
+def test_a_spec_row_has_its_pairs_and_interval(tmp_path: Path, capsys) -> None:
+    assert main(["--model", str(BUILD), "--prompts", str(PROMPTS), "--limit", "4", "--max-new-tokens", "6", "--batch-size", "1",
+                 "--spec-k", "3", "--skip-hf", "--repeat", "2"]) == 0
+    row, _ = last_json(capsys)
+    lo, hi = row["speedup_ci95"]
+    assert row["timed_pairs"] == 8 and lo <= hi and lo > 0
+
+
 def test_spec_refuses_without_a_drafter(tmp_path: Path, capsys) -> None:
     """Lesson 1: no speculative figures from a checkpoint without trained drafter weights."""
     bare = tmp_path / "nodrafter"
