@@ -201,7 +201,7 @@ def _measure(sides: Sides, batches: list[list[list[int]]], args: argparse.Namesp
     engines = [e for e in (sides.engine, sides.spec_engine) if e is not None]
     hits = lambda: sum(e.stats.get("prefix_hit_tokens", 0) for e in engines) // len(engines)  # noqa: E731 - a side's
     hits_before = hits()
-    captures = lambda: sum(e.stats["graph_captures"] for e in {id(e): e for e in engines}.values())  # noqa: E731
+    captures = lambda: sum(e.stats["graph_captures"] for e in engines)  # noqa: E731
     captures_before = captures()
     ours, spec, t_engine, t_spec = timed_engines(sides, batches, args.spec_k, args.repeat)
     captured_timed = captures() - captures_before  # graphs captured inside the timed run (their cost is in it)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -195,8 +196,6 @@ def speedup_interval(pairs: list[tuple[float, float]], draws: int = 2000, seed: 
     drift hits both; pairs drawn with replacement `draws` times (a fixed seed: the same run gives the
     same interval). Two sides running identical plain steps (batch 32, nothing speculating) read 0.94-1.20
     in single H100/H200 runs: a speed-up is only "above" or "below" 1.0 outside this interval."""
-    import random
-
     if len(pairs) < 2:
         return None
     rng = random.Random(seed)

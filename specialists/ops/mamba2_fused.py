@@ -185,13 +185,12 @@ def mamba2_layer_fused(p: Mamba2Params, u: torch.Tensor, h: torch.Tensor, B: int
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
     zx = exact_linear(u, p.in_proj_weight, p.in_proj_bias)
-    if norm_in_out_proj(p):  # the gated RMSNorm in out_proj's prologue: one kernel fewer again
-        yg, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out, norm=False)
-        decode_fused.mma(yg, p.out_proj_weight, p.out_proj_bias, gain=p.norm_weight, eps=float(p.norm_eps), residual=h,
-                         config=decode_fused.mma_config(0, *p.out_proj_weight.shape))
-        return
-    normed, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out)
-    decode_fused.mma(normed, p.out_proj_weight, p.out_proj_bias, residual=h)
+    fused = norm_in_out_proj(p)  # the gated RMSNorm in out_proj's prologue: one kernel fewer again
+    x, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out, norm=not fused)
+    # under the norm K splits as the plain product's does (mma_config keeps norm products whole: wide q/k/v)
+    norm = dict(gain=p.norm_weight, eps=float(p.norm_eps), config=decode_fused.mma_config(0, *p.out_proj_weight.shape)) \
+        if fused else {}
+    decode_fused.mma(x, p.out_proj_weight, p.out_proj_bias, residual=h, **norm)
 
 
 def norm_in_out_proj(p: Mamba2Params) -> bool:
