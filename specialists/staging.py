@@ -6,12 +6,15 @@ staging copy and the device gets it in one copy (on CPU the staging buffer is th
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specialists.ops.attention import HALF
+from specialists.ops.rows_cuda import advance_rows as rows_advance
+from specialists.ops.rows_cuda import fused_advance
 from state.kv_cache import flat_slots
 from state.transfer import device_ints
 
@@ -190,8 +193,13 @@ def advance_rows(batch, packed: torch.Tensor, drafts: torch.Tensor, B: int, bloc
     """A static verify batch built at the rows' committed ends, moved on the device past what the verify
     before it keeps (spec/verify_ahead.py): row b (of B real rows) starts packed[b, 0] + 1 positions
     later (its kept drafts and the fed token), feeds that verify's target token then drafts[b]; its
-    slots are read from its block table, its context grows alike. Padding rows stay as built."""
+    slots are read from its block table, its context grows alike. Padding rows stay as built. On CUDA
+    one kernel (ops/rows_cuda.advance_rows): these torch ops cost the host ~13 launches a speculative step."""
     q = batch.max_query_len
+    fields = (batch.input_ids, batch.positions, batch.slot_mapping, batch.context_lens, batch.block_tables, packed, drafts)
+    if fused_advance(*fields) and os.environ.get("CANTATA_FUSED_ADVANCE", "1") != "0":
+        rows_advance(*fields, B, q, block_size)
+        return
     kept = packed[:B, 0]
     step = kept + 1
     ids = batch.input_ids.view(-1, q)[:B]

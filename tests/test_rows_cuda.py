@@ -57,6 +57,47 @@ def test_step_rows_are_the_torch_expressions():
         assert slots.dtype == torch.int64 and slots.tolist() == (blocks * bs + want % bs).tolist()
 
 
+@pytest.mark.parametrize("q", [1, 4, 6])
+def test_advance_rows_kernel_is_the_torch_path(q):
+    """A verify launched ahead, moved past what the verify before it kept: the kernel writes what
+    staging.advance_rows' torch ops write, real rows only (the padding row stays as built)."""
+    _kernels_run()
+    from types import SimpleNamespace
+
+    from specialists.staging import advance_rows
+
+    g = torch.Generator().manual_seed(q)
+    bs, B, Bp, width = 16, 3, 4, 8
+    tables = torch.randperm(300, generator=g)[: Bp * width].view(Bp, width)
+    start = torch.randint(0, 60, (Bp,), generator=g)
+    positions = (start[:, None] + torch.arange(q)).reshape(-1)
+    slots = torch.randint(0, 999, (Bp * q,), generator=g)
+    ids = torch.randint(0, 4096, (Bp * q,), generator=g)
+    ctx = start + q
+    packed = torch.randint(5, 4096, (Bp, 1 + 2 * q), generator=g)
+    packed[:, 0] = torch.tensor([0, q - 1, q // 2, 1])[:Bp]  # drafts kept a row
+    drafts = torch.randint(5, 4096, (Bp, max(1, q - 1) + 2), generator=g)[:, 1:]  # a column offset view, as a chain's slice
+
+    def fields():
+        return [t.clone().to(DEVICE) for t in (ids, positions, slots, ctx, tables, packed)] + [drafts.to(DEVICE)]
+
+    want = fields()
+    batch = SimpleNamespace(input_ids=want[0], positions=want[1], slot_mapping=want[2], context_lens=want[3],
+                            block_tables=want[4], max_query_len=q)
+    os.environ["CANTATA_FUSED_ADVANCE"] = "0"
+    try:
+        advance_rows(batch, want[5], want[6], B, bs)  # the torch ops
+    finally:
+        del os.environ["CANTATA_FUSED_ADVANCE"]
+    got = fields()
+    rows_cuda.advance_rows(*got, B, q, bs)
+    for name, a, b in zip(("ids", "positions", "slots", "contexts"), got, want):
+        assert a.tolist() == b.tolist(), name
+    step = packed[:B, 0] + 1
+    assert got[1].view(Bp, q)[:B, 0].tolist() == (start[:B] + step).tolist()  # it moved at all
+    assert got[0].view(Bp, q)[B:].tolist() == ids.view(Bp, q)[B:].tolist()  # the padding row: untouched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rope_table_holds_the_computed_values(dtype):
     from types import SimpleNamespace

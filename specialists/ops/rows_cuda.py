@@ -10,6 +10,9 @@
 * `step_rows(positions, context_lens, tables, j, block_size)`: a multi-step graph's step j batch
   (specialists/multistep.py): positions + j, the KV slots through the block tables, contexts + j;
   one kernel instead of six torch ops a token.
+* `advance_rows(...)`: a verify launched ahead (spec/verify_ahead.py) moved on the device past what the
+  verify before it keeps (specialists/staging.advance_rows): one kernel instead of ~13 torch ops, each
+  ~10-15 us of the host's launch time on an H200 (the toys' speculative steps are host-bound there).
 
 Elsewhere (CPU, no Triton) both are their torch expressions.
 """
@@ -24,7 +27,7 @@ try:
 except ImportError:  # a CPU install: the torch expressions below
     triton = None
 
-__all__ = ["row_argmax", "step_rows"]
+__all__ = ["advance_rows", "row_argmax", "step_rows"]
 
 BLOCK = 2048  # columns per program of row_argmax
 
@@ -77,6 +80,22 @@ if triton is not None:
         tl.store(slot_out + b, blk * BS + pos % BS, mask=ok)
         tl.store(ctx_out + b, tl.load(ctx_ptr + b, mask=ok, other=0) + j, mask=ok)
 
+    @triton.jit
+    def _advance_kernel(ids_ptr, pos_ptr, slot_ptr, ctx_ptr, tab_ptr, stride_tab, packed_ptr, stride_packed,
+                        drafts_ptr, stride_drafts, Q, BS: tl.constexpr, BLOCK_Q: tl.constexpr):
+        b = tl.program_id(0)  # one program a real row: its Q tokens
+        j = tl.arange(0, BLOCK_Q)
+        ok = j < Q
+        step = tl.load(packed_ptr + b * stride_packed) + 1  # the kept drafts and the fed token
+        target = tl.load(packed_ptr + b * stride_packed + step)  # the verify's token after them
+        draft = tl.load(drafts_ptr + b * stride_drafts + j - 1, mask=ok & (j > 0), other=0)
+        tl.store(ids_ptr + b * Q + j, tl.where(j == 0, target, draft), mask=ok)
+        pos = tl.load(pos_ptr + b * Q + j, mask=ok, other=0) + step
+        tl.store(pos_ptr + b * Q + j, pos, mask=ok)
+        blk = tl.load(tab_ptr + b * stride_tab + pos // BS, mask=ok, other=0).to(tl.int64)
+        tl.store(slot_ptr + b * Q + j, blk * BS + pos % BS, mask=ok)
+        tl.store(ctx_ptr + b, tl.load(ctx_ptr + b) + step)
+
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """[n, V] -> [n] int64: the first index of each row's largest value (torch.argmax(x, -1))."""
@@ -115,3 +134,18 @@ def _step_rows(positions: torch.Tensor, context_lens: torch.Tensor, tables: torc
     _step_rows_kernel[(1,)](positions, context_lens, tables, tables.stride(0), pos, slots, ctx, B, j,
                             BS=block_size, BLOCK_B=max(16, triton.next_power_of_2(B)))
     return pos, slots, ctx
+
+
+def advance_rows(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+                 tables: torch.Tensor, packed: torch.Tensor, drafts: torch.Tensor, B: int, q: int, block_size: int) -> None:
+    """In place, rows b < B of a static batch of q tokens a row (flat ids, positions and slots, row b's at
+    b * q; contexts [Bp]; tables [Bp, width]): each row starts packed[b, 0] + 1 positions later, fed
+    packed[b, packed[b, 0] + 1] then drafts[b, :q-1]; slots through the tables; contexts grow alike."""
+    _advance_kernel[(B,)](ids, positions, slots, context_lens, tables, tables.stride(0), packed, packed.stride(0),
+                          drafts, drafts.stride(0), q, BS=block_size, BLOCK_Q=max(2, triton.next_power_of_2(q)))
+
+
+def fused_advance(*tensors: torch.Tensor) -> bool:
+    """Whether advance_rows runs as the kernel on these tensors (CUDA with Triton, unit column strides)."""
+    return triton is not None and all(t.is_cuda and (t.dim() < 2 or t.stride(-1) == 1) for t in tensors)
+
