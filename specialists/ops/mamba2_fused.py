@@ -12,11 +12,12 @@ the grouped RMSNorm, each a launch), most of a hybrid's decode time at real size
   norm kernel, a program per (token, group):                   RMSNorm of the group, times the norm weight
   out = out_proj(...)                                          (the product, as before)
 
-On a hybrid's decode path (mamba2_layer_fused) with one group the norm kernel goes too: out_proj is
-`mma` under its RMSNorm (the squares summed over K in the product's pass, the gain per column before
-it, the row's scale after), the layer's residual add in its epilogue. bamba-1b on an H200 (session 30,
-alternated with CANTATA_FUSED_MAMBA_NORM=0): TPOT 1.092, 1.087 against 1.093, 1.090 ms: a kernel fewer
-a layer, no time measured either way beyond the noise.
+Tried and reverted: the gated RMSNorm in out_proj's prologue (`mma` under a norm over the fp32 gated
+output; session 30, 95d2efd). It saved a kernel a layer, no time beyond the noise (bamba-1b TPOT
+1.092, 1.087 against 1.093, 1.090 ms, H200), and it broke exactness: on the H200 the cpp toy in bf16 at
+batch 8, K=5, gave one of 32 held-out prompts other greedy tokens with speculation than without, from
+its 101st token, and 8 of 8 equal with it off (session 31; the kernel-level cause was not isolated:
+under that prologue a row's result apparently depends on the verify's 48 rows against a decode's 8).
 
 Every token of a verify runs the instructions of a decode (a recurrence, not the closed form over q),
 so a speculative step's states and outputs are a plain step's. Rounding follows the torch step: the
@@ -26,8 +27,6 @@ engine uses it on CUDA only.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -185,21 +184,8 @@ def mamba2_layer_fused(p: Mamba2Params, u: torch.Tensor, h: torch.Tensor, B: int
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
     zx = exact_linear(u, p.in_proj_weight, p.in_proj_bias)
-    fused = norm_in_out_proj(p)  # the gated RMSNorm in out_proj's prologue: one kernel fewer again
-    x, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out, norm=not fused)
-    # under the norm K splits as the plain product's does (mma_config keeps norm products whole: wide q/k/v)
-    norm = dict(gain=p.norm_weight, eps=float(p.norm_eps), config=decode_fused.mma_config(0, *p.out_proj_weight.shape)) \
-        if fused else {}
-    decode_fused.mma(x, p.out_proj_weight, p.out_proj_bias, residual=h, **norm)
-
-
-def norm_in_out_proj(p: Mamba2Params) -> bool:
-    """Whether a Mamba layer's gated RMSNorm rides in out_proj's prologue (`mma`'s RMSNorm: the sum of
-    squares of the gated output y silu(z) accumulated over K, which is the whole norm group with one
-    group; the gain applied per column before the product and the row's scale after it), split over K
-    as the plain product is (a split under the norm sums its squares' partials with the products').
-    One group only, and CANTATA_FUSED_MAMBA_NORM not 0 (A/B runs)."""
-    return p.n_groups == 1 and os.environ.get("CANTATA_FUSED_MAMBA_NORM", "1") != "0"
+    normed, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out)
+    decode_fused.mma(normed, p.out_proj_weight, p.out_proj_bias, residual=h)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -224,10 +210,10 @@ def _out_views(out: tuple[torch.Tensor, torch.Tensor] | None, B: int, q: int, co
 
 def mixer_step(p: Mamba2Params, zx: torch.Tensor, B: int, q: int, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                slots: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Between the products: zxbcdt [B q, ...] (row b*q + t: sequence b's token t) -> the normed, gated
-    output [B q, d_inner] in zx's dtype (out_proj's input; without `norm` the gated output before its
-    RMSNorm, fp32), and the conv and SSM states after each token (`slots`, `out`: mamba2_step_fused)."""
+    output [B q, d_inner] in zx's dtype (out_proj's input), and the conv and SSM states after each token
+    (`slots`, `out`: mamba2_step_fused)."""
     H, P, N, G, KC = p.num_heads, p.head_dim, p.d_state, p.n_groups, p.d_conv
     DIN = p.d_inner
     conv_state = _rows(conv_state)
@@ -243,8 +229,6 @@ def mixer_step(p: Mamba2Params, zx: torch.Tensor, B: int, q: int, conv_state: to
         convs.stride(0), convs.stride(1), states.stride(0), states.stride(1), Q=q, H=H, P=P, N=N, G=G, DIN=DIN, KC=KC,
         BP=BP, BN=triton.next_power_of_2(N), HAS_CB=p.conv_bias is not None, HAS_SLOTS=slots is not None,
         ACT=_ACT[zx.dtype], num_warps=4)
-    if not norm:
-        return yg, convs, states
     normed = torch.empty(B * q, DIN, dtype=zx.dtype, device=zx.device)
     GS = DIN // G
     _norm_kernel[(B * q, G)](yg, p.norm_weight, normed, float(p.norm_eps), DIN=DIN, GS=GS,
