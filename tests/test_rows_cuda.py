@@ -58,7 +58,7 @@ def test_step_rows_are_the_torch_expressions():
 
 
 @pytest.mark.parametrize("q", [1, 4, 6])
-def test_advance_rows_kernel_is_the_torch_path(q):
+def test_advance_rows_kernel_is_the_torch_path(q, monkeypatch):
     """A verify launched ahead, moved past what the verify before it kept: the kernel writes what
     staging.advance_rows' torch ops write, real rows only (the padding row stays as built)."""
     _kernels_run()
@@ -84,11 +84,8 @@ def test_advance_rows_kernel_is_the_torch_path(q):
     want = fields()
     batch = SimpleNamespace(input_ids=want[0], positions=want[1], slot_mapping=want[2], context_lens=want[3],
                             block_tables=want[4], max_query_len=q)
-    os.environ["CANTATA_FUSED_ADVANCE"] = "0"
-    try:
-        advance_rows(batch, want[5], want[6], B, bs)  # the torch ops
-    finally:
-        del os.environ["CANTATA_FUSED_ADVANCE"]
+    monkeypatch.setenv("CANTATA_FUSED_ADVANCE", "0")  # on a GPU too: the torch ops
+    advance_rows(batch, want[5], want[6], B, bs)
     got = fields()
     rows_cuda.advance_rows(*got, B, q, bs)
     for name, a, b in zip(("ids", "positions", "slots", "contexts"), got, want):
