@@ -148,4 +148,3 @@ def advance_rows(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
 def fused_advance(*tensors: torch.Tensor) -> bool:
     """Whether advance_rows runs as the kernel on these tensors (CUDA with Triton, unit column strides)."""
     return triton is not None and all(t.is_cuda and (t.dim() < 2 or t.stride(-1) == 1) for t in tensors)
-
