@@ -8,7 +8,9 @@ decode step replays) over enough copies of each weight that it streams from HBM,
 One row per (shape, piece, rows): norm (F.rms_norm against the Triton kernel), silu_mul (F.silu(gate)
 * up against one kernel), o and down (linear then a residual add, against the GEMM with the residual
 as its C operand), and the products through `mma` with their neighbours (qkv and gate_up: RMSNorm +
-product; o: product + residual; down: SiLU * up + product + residual, against the torch ops; the lm_head
+product; o: product + residual; down: SiLU * up + product + residual, against the torch ops; with the
+norms' gains folded into the weights: qkv_folded (the norm's scale only), gate_up_glu (the SwiGLU at its
+end) and down_plain (product + residual); the lm_head
 and a hybrid's Mamba in_proj / out_proj, plain products, against F.linear; in_proj_norm_mma: the
 in_proj under the RMSNorm, tried for a static step's Mamba layer and not kept: slower), with
 torch_us, fused_us, max_abs_diff and, for products, weight_mb and the fused side's weight bytes per
@@ -84,6 +86,7 @@ def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
         out[name] = ([lambda w=w, a=a: h + F.linear(a(), w) for w in ws],
                      [lambda w=w, x=x, swiglu=swiglu: D.mma(x, w, swiglu=swiglu, residual=h.clone(), config=config)
                       for w in ws], d * k * 2)
+    out.update(_folded_pieces(cfg, m, dt, dev, config))
     for name, n, k in _plain_products(cfg):  # exact_linear's: no neighbours carried
         ws = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(_copies(n * k * 2, dev))]
         x = torch.randn(m, k, device=dev, dtype=dt)
@@ -92,6 +95,29 @@ def _mma_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
         if name == "in_proj_mma":  # the RMSNorm in the product: slower than a norm kernel and the plain product
             out["in_proj_norm_mma"] = ([lambda w=w: F.linear(F.rms_norm(h, (d,), g, EPS), w) for w in ws],
                                        [lambda w=w: D.mma(h, w, gain=g, eps=EPS, config=config) for w in ws], n * k * 2)
+    return out
+
+
+def _folded_pieces(cfg, m: int, dt, dev: str, config=None) -> dict:
+    """The products of a model whose norm gains are folded into q/k/v and gate/up (models/llama.py
+    fold_norm_gain): q/k/v under the norm (mma kind 3), gate/up with the SwiGLU at its end, the plain down."""
+    from specialists.ops import decode_fused as D
+
+    d, i, _, nq = _dims(cfg)
+    h = torch.randn(m, d, device=dev, dtype=dt)
+    g = torch.rand(d, device=dev, dtype=dt) + 0.5
+    out = {}
+    for name, n, glu in (("qkv_folded_mma", nq, False), ("gate_up_glu_mma", 2 * i, True)):
+        ws = [torch.randn(n, d, device=dev, dtype=dt) / d ** 0.5 for _ in range(_copies(n * d * 2, dev))]
+        folded = [(w.float() * g.float()).to(dt) for w in ws]
+        act = (lambda y: F.silu(y[:, :n // 2]) * y[:, n // 2:]) if glu else (lambda y: y)
+        out[name] = ([lambda w=w, act=act: act(F.linear(F.rms_norm(h, (d,), g, EPS), w)) for w in ws],
+                     [lambda w=w, glu=glu: D.mma(h, w, eps=EPS, folded=True, glu=glu, config=config) for w in folded],
+                     n * d * 2)
+    ws = [torch.randn(d, i, device=dev, dtype=dt) / i ** 0.5 for _ in range(_copies(d * i * 2, dev))]
+    a = torch.randn(m, i, device=dev, dtype=dt)
+    out["down_plain_mma"] = ([lambda w=w: h + F.linear(a, w) for w in ws],
+                             [lambda w=w: D.mma(a, w, residual=h.clone(), config=config) for w in ws], d * i * 2)
     return out
 
 

@@ -39,12 +39,17 @@ def test_only_small_half_steps_on_cuda_use_them() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="the engines' fused path runs on CUDA in half precision")
-@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-bamba"])
-def test_engines_with_fused_products(shape: str, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("shape,fold", [("tiny-llama", None), ("tiny-bamba", None), ("tiny-llama", "1"), ("tiny-bamba", "1")])
+def test_engines_with_fused_products(shape: str, fold: str | None, tmp_path, monkeypatch) -> None:
+    """fold "1": the norms' gains folded into q/k/v and gate/up at the tiny models' widths too (the
+    default folds from d 2048: llama.folds_norm_gains)."""
     from bench.shapes import build_checkpoint
     from policies.policy import SpeculationPolicy
     from specialists.engine import Engine
     from specialists.sampling import SamplingParams
+
+    if fold:
+        monkeypatch.setenv("CANTATA_FOLD_NORM", fold)
 
     ckpt = build_checkpoint(shape, tmp_path / shape, torch.bfloat16, "cuda", drafter_k=3)
     kw = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=4)
@@ -52,6 +57,7 @@ def test_engines_with_fused_products(shape: str, tmp_path, monkeypatch) -> None:
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = [o.token_ids for o in Engine.from_pretrained(ckpt, policy=SpeculationPolicy(mode="off"), **kw).generate(prompts, params)]
     spec = Engine.from_pretrained(ckpt, policy=SpeculationPolicy(mode="on", num_speculative_tokens=3), **kw)
+    assert all(layer.mlp.folded == bool(fold) for layer in spec.runner.model.layers)
     assert [o.token_ids for o in spec.generate(prompts, params)] == plain
     monkeypatch.setenv("CANTATA_FUSED_DECODE", "0")
     torch_path = [o.token_ids for o in Engine.from_pretrained(ckpt, policy=SpeculationPolicy(mode="off"), **kw).generate(prompts, params)]
@@ -95,6 +101,60 @@ def test_mma_with_its_neighbours_matches_torch(m: int, config) -> None:
     out = h.clone()
     assert D.mma(gu, w, swiglu=True, residual=out, config=config) is out
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("m,bias", [(1, False), (6, True)])
+def test_glu_end_is_the_swiglu_of_the_product(m: int, bias: bool) -> None:
+    """mma(glu=True) over w = [gate | up] stores silu(gate) * up with the roundings of the product then
+    silu_mul: the same bits (the gate and up rows' tiles are the products' tiles); a row alone alike."""
+    g, w = _operands(2 * 96, 160, 60 + m)
+    x = torch.randn(m, 160, device=DEV, generator=g).to(DT)
+    gain = (torch.rand(160, device=DEV, generator=g) + 0.5).to(DT)
+    b = torch.randn(2 * 96, device=DEV, generator=g).to(DT) if bias else None
+    config = (32, 64, 4, 2, 1)
+    ref = D.silu_mul(D.mma(x, w, b, gain=gain, eps=1e-5, config=config))
+    got = D.mma(x, w, b, gain=gain, eps=1e-5, glu=True, config=config)
+    assert got.shape == (m, 96) and torch.equal(got, ref)
+    assert torch.equal(D.mma(x[-1:], w, b, gain=gain, eps=1e-5, glu=True, config=config), got[-1:])
+    with pytest.raises(ValueError, match="glu"):
+        D.mma(x, w, glu=True, config=(32, 64, 4, 2, 2))
+
+
+@pytest.mark.parametrize("split,ss_first", [(1, False), (2, False), (2, True), (3, True)])
+def test_a_gain_folded_into_the_weight_is_the_norm(split: int, ss_first: bool) -> None:
+    """mma(folded=True) over W * gain: rms_norm(x) * gain @ W^T, whether the sum of squares comes from
+    the streamed tiles (split over K: partials summed in order) or from a pass over the row first."""
+    g, w = _operands(40, 200, 70 + split)
+    x = torch.randn(5, 200, device=DEV, generator=g).to(DT)
+    gain = (torch.rand(200, device=DEV, generator=g) + 0.5).to(DT)
+    folded = (w.float() * gain.float()).to(DT)
+    ref = F.linear(F.rms_norm(x, (200,), gain, 1e-5), w)
+    got = D.mma(x, folded, folded=True, eps=1e-5, ss_first=ss_first, config=(16, 32, 4, 2, split))
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL, rtol=TOL)
+    gu = torch.cat([folded, (torch.randn(40, 200, device=DEV, generator=g) / 15).to(DT)])
+    both = D.mma(x, gu, folded=True, eps=1e-5, glu=True, ss_first=ss_first, config=(16, 32, 4, 2, 1))
+    torch.testing.assert_close(both.float(), D.silu_mul(D.mma(x, gu, folded=True, eps=1e-5, config=(16, 32, 4, 2, 1))).float(),
+                               atol=TOL, rtol=TOL)
+
+
+def test_folded_norms_keep_the_torch_path() -> None:
+    """llama.fold_norm_gain: q/k/v and gate/up times the gain, the norm's gain ones; the torch path's
+    blocks give what they gave before the fold (prefills run them)."""
+    from specialists.models.llama import AttentionWeights, MLPWeights, fold_norm_gain, mlp_block, rms_norm
+    from specialists.ops.linear import linear
+
+    g, _ = _operands(1, 1, 90)
+    mk = lambda *s: (torch.randn(*s, device=DEV, generator=g) / 8).to(DT)  # noqa: E731
+    attn = AttentionWeights(mk(64, 32), mk(32, 32), mk(32, 32), mk(32, 64), None, None, None, None, 4, 2, 16)
+    mlp = MLPWeights(mk(48, 32), mk(48, 32), mk(32, 48), None, None, None)
+    x, gain = torch.randn(7, 32, device=DEV, generator=g).to(DT), (torch.rand(32, device=DEV, generator=g) + 0.5).to(DT)
+    qkv_ref = linear(rms_norm(x, gain, 1e-5), attn.qkv)
+    mlp_ref = mlp_block(mlp, rms_norm(x, gain, 1e-5))
+    ones = fold_norm_gain(attn, gain)
+    assert attn.folded and torch.equal(ones, torch.ones_like(gain)) and attn.q_proj.data_ptr() == attn.qkv.data_ptr()
+    torch.testing.assert_close(linear(rms_norm(x, ones, 1e-5), attn.qkv), qkv_ref, atol=TOL, rtol=TOL)
+    fold_norm_gain(mlp, gain)
+    torch.testing.assert_close(mlp_block(mlp, rms_norm(x, ones, 1e-5)), mlp_ref, atol=TOL, rtol=TOL)
 
 
 @pytest.mark.parametrize("split,bias", [(1, False), (2, True)])
@@ -165,6 +225,9 @@ def test_mma_config_depends_on_the_weight_alone() -> None:
     bn, bk, _, _, split = D.mma_config(0, 4096, 4096)  # the rule: ~256 programs, >= 256 columns a split
     assert (bn, bk, split) == (64, 128, 4) and D.mma_config(2, 4096, 512)[4] == 2  # 64 blocks x 4; 2 x 256
     assert D.mma_config(1, 4096, 4096)[4] == 1 and D.mma_config(0, 512, 16384)[4] == 8  # no split under RMSNorm
+    assert D.mma_config(3, 960, 576) == D.mma_config(1, 960, 576)  # a folded norm: the norm's entry (smollm2's q/k/v)
+    assert D.mma_config(0, 576, 1536) == D.mma_config(2, 576, 1536)  # a plain down: the SiLU prologue's entry
+    assert D.mma_config(4, 1536, 576)[0] == 32 and D.mma_config(4, 8192, 4096)[0] == 64  # SwiGLU end: >= 48 programs
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU run of the bench script (on a GPU it times)")
@@ -177,12 +240,12 @@ def test_fused_products_bench_runs_and_agrees(tmp_path, capsys) -> None:
     fused_products.main(["--shapes", "tiny-llama", "--rows", "1", "3", "--device", "cpu", "--results", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["piece"] for r in rows} == {"norm", "silu_mul", "o", "down", "qkv_mma", "gate_up_mma", "o_mma", "down_mma",
-                                          "lm_head_mma"}
-    assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 18
+                                          "lm_head_mma", "qkv_folded_mma", "gate_up_glu_mma", "down_plain_mma"}
+    assert {r["rows"] for r in rows} == {1, 3} and len(rows) == 24
     fused_products.main(["--shapes", "tiny-bamba", "--rows", "2", "--device", "cpu", "--results", str(out),
                          "--pieces", "in_proj_mma", "out_proj_mma", "in_proj_norm_mma"])  # a hybrid's Mamba products
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["shape"], r["piece"]) for r in rows[18:]] == [("tiny-bamba", p) for p in ("in_proj_mma", "in_proj_norm_mma", "out_proj_mma")]
+    assert [(r["shape"], r["piece"]) for r in rows[24:]] == [("tiny-bamba", p) for p in ("in_proj_mma", "in_proj_norm_mma", "out_proj_mma")]
     assert all(r["max_abs_diff"] < 1e-4 for r in rows), [(r["piece"], r["max_abs_diff"]) for r in rows]
     assert all(r["weight_mb"] > 0 for r in rows if r["piece"] not in ("norm", "silu_mul"))
 

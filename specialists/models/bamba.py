@@ -26,7 +26,8 @@ import torch
 
 from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
-    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, fused_attention, fused_mlp, fused_step, mlp_block,
+    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, fold_norm_gain, folds_norm_gains, fused_attention,
+    fused_mlp, fused_step, mlp_block,
     rms_norm,
 )
 from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, mamba2_prefill_at
@@ -68,6 +69,11 @@ class BambaModel(DecoderBase):
                 raise ValueError(f"layer {i}: unknown block type {kind!r}")
             self.layers.append(layer)
         self._n_attn, self._n_mamba = n_attn, n_mamba
+        if folds_norm_gains(self.embed):  # the Mamba layers keep their input norms
+            for layer in self.layers:
+                if layer.attn is not None:
+                    layer.input_norm = fold_norm_gain(layer.attn, layer.input_norm)
+                layer.pre_ff_norm = fold_norm_gain(layer.mlp, layer.pre_ff_norm)
         self.rope = Rope(config, self.head_dim, self.device)
         self.dtype = self.embed.dtype
 

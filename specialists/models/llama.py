@@ -9,6 +9,7 @@ the final-normed hidden states [T, d] (the drafter's "target hidden"), `logits(h
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,7 +22,7 @@ from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import exact_linear, linear
 
 __all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block",
-           "fused_step", "fused_attention", "fused_mlp"]
+           "fused_step", "fused_attention", "fused_mlp", "folds_norm_gains", "fold_norm_gain"]
 
 
 class UnsupportedModelError(ValueError):
@@ -98,6 +99,7 @@ class AttentionWeights:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    folded: bool = False  # the input norm's gain is in qkv's columns (fold_norm_gain)
 
     def __post_init__(self) -> None:
         # q, k and v in one matmul (one read of x, one kernel launch)
@@ -127,6 +129,7 @@ class MLPWeights:
     gate_bias: torch.Tensor | None
     up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    folded: bool = False  # the post-attention norm's gain is in gate_up's columns (fold_norm_gain)
 
     def __post_init__(self) -> None:
         self.gate_up = torch.cat([self.gate_proj, self.up_proj]).contiguous()  # one matmul for both
@@ -139,6 +142,30 @@ class MLPWeights:
         g = sd.get
         return cls(sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"], sd[prefix + "down_proj.weight"],
                    g(prefix + "gate_proj.bias"), g(prefix + "up_proj.bias"), g(prefix + "down_proj.bias"))
+
+
+FOLD_MIN_HIDDEN = 2048  # folding gained at d 2048 and 3072 and lost 6.6% at smollm2's 576 (H200, session 32)
+
+
+def folds_norm_gains(x: torch.Tensor) -> bool:
+    """Whether a model whose embedding is x [V, d] folds its layers' RMSNorm gains into the products after
+    them: CUDA, half precision, the fused decode path on, and d >= FOLD_MIN_HIDDEN (CANTATA_FOLD_NORM=1:
+    at any d, 0: never). The fused products then stream x as it is (decode_fused.mma's kind 3, the MLP's
+    SwiGLU at gate/up's end): TPOT llama-1b 0.911 ms against 0.983, llama-3b 2.289 against 2.463, bamba-1b
+    1.038 against 1.094; smollm2-135m 0.761 against 0.714 (H200, bench/RESULTS.md, session 32)."""
+    env = os.environ.get("CANTATA_FOLD_NORM")
+    return (x.is_cuda and x.dtype in HALF and os.environ.get("CANTATA_FUSED_DECODE", "1") != "0" and env != "0"
+            and (env == "1" or x.shape[-1] >= FOLD_MIN_HIDDEN))
+
+
+def fold_norm_gain(w: AttentionWeights | MLPWeights, gain: torch.Tensor) -> torch.Tensor:
+    """Folds an RMSNorm's gain into the product after it, in place (q/k/v's or gate/up's columns times
+    the gain in fp32, rounded once); -> the gain the norm keeps (ones): every path then computes
+    rms_norm(x) @ (W * gain)^T, the prefills' torch ops and the fused decodes alike."""
+    big = w.qkv if isinstance(w, AttentionWeights) else w.gate_up
+    big.copy_((big.float() * gain.float()).to(big.dtype))
+    w.folded = True
+    return torch.ones_like(gain)
 
 
 def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -211,9 +238,9 @@ def fused_attention(w: AttentionWeights, gain: torch.Tensor, eps: float, h: torc
     from specialists.ops import decode_fused
 
     rope = None
-    if decode_fused.rope_fuses(w.qkv, w.head_dim, cos, sin):  # RoPE and the KV write in the product's end
+    if decode_fused.rope_fuses(w.qkv, w.head_dim, cos, sin, w.folded):  # RoPE and the KV write in the product's end
         rope = decode_fused.RopeKV(cos, sin, batch.slot_mapping, k_cache_layer, v_cache_layer, w.num_heads, w.num_kv_heads)
-    qkv = decode_fused.mma(h, w.qkv, w.qkv_bias, gain=gain, eps=eps, rope=rope)
+    qkv = decode_fused.mma(h, w.qkv, w.qkv_bias, gain=None if w.folded else gain, eps=eps, rope=rope, folded=w.folded)
     o = attend(w, qkv, cos, sin, k_cache_layer, v_cache_layer, batch, decode_fused.launches_early(w.o_proj))
     decode_fused.mma(o, w.o_proj, w.o_bias, residual=h)
 
@@ -222,6 +249,10 @@ def fused_mlp(w: MLPWeights, gain: torch.Tensor, eps: float, h: torch.Tensor) ->
     """h += mlp_block(w, rms_norm(h) * gain), in place, on the fused path (fused_step)."""
     from specialists.ops import decode_fused
 
+    if w.folded:  # the gain is in gate_up: the SwiGLU at its end, a plain down
+        a = decode_fused.mma(h, w.gate_up, w.gate_up_bias, eps=eps, folded=True, glu=True)
+        decode_fused.mma(a, w.down_proj, w.down_bias, residual=h)
+        return
     gate_up = decode_fused.mma(h, w.gate_up, w.gate_up_bias, gain=gain, eps=eps)
     decode_fused.mma(gate_up, w.down_proj, w.down_bias, swiglu=True, residual=h)
 
@@ -283,6 +314,10 @@ class LlamaModel(DecoderBase):
         ]
         self.rope = Rope(config, self.head_dim, self.device)
         self.dtype = self.embed.dtype
+        if folds_norm_gains(self.embed):
+            for layer in self.layers:
+                layer.input_norm = fold_norm_gain(layer.attn, layer.input_norm)
+                layer.post_norm = fold_norm_gain(layer.mlp, layer.post_norm)
         self.native = None  # llama_native.NativeLlama: set by specialists/quantize.py where the CPU kernels run
 
     @property

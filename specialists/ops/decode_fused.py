@@ -16,6 +16,11 @@ kernels and the small kernels' fixed cost held a 1B model at 2.3x its bandwidth 
       row's products alike in each), and K splits by the weight's shape alone with the partials summed
       in order: a verify of K+1 tokens computes exactly what the decodes of those tokens compute, and a
       request's tokens do not depend on the batch it shares (the exactness contract).
+      Where a model folds its norms' gains into q/k/v and gate/up (models/llama.fold_norm_gain, d >= 2048),
+      x streams into the product as it is (the norm's sum of squares taken from the streamed tiles, its
+      scale after) and gate/up carries the SwiGLU at its end (two accumulators a program, silu(gate) * up
+      stored with the unfused roundings), so down is a plain product: llama-1b's TPOT 0.911 against 0.983
+      ms (H200, bench/RESULTS.md session 32). The tile tables are in ops/mma_config.py.
   gemm pieces (rms_norm, silu_mul, add_product: cuBLAS with the residual as the GEMM's C operand) are
       bench.fused_products' comparison only: the engine took them above 32 rows until a verify of 48
       rows (batch 8, K=5, bf16) gave other greedy tokens than its decodes (cuBLAS picks its kernel by
@@ -42,6 +47,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specialists.ops.attention import HALF
+from specialists.ops.mma_config import mma_config
 
 __all__ = ["enabled", "rms_norm", "silu_mul", "add_product", "mma", "mma_config", "pdl", "launches_early", "MAX_ROWS",
            "RopeKV", "rope_fuses"]
@@ -107,38 +113,6 @@ def add_product(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.T
     return h
 
 
-
-# (prologue, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the least time at one row in
-# sweeps on an H100 over L2-cold weights (`bench.fused_products --sweep` and the `mma_probe` rows in
-# bench/results/fused_products.jsonl)
-_MMA_MEASURED = {
-    (1, 3072, 2048): (64, 256, 4, 3, 2), (1, 16384, 2048): (64, 256, 4, 2, 1),  # llama-1b qkv, gate/up
-    (0, 2048, 2048): (64, 128, 4, 4, 4), (2, 2048, 8192): (64, 128, 8, 3, 8),  # llama-1b o, down
-    (1, 5120, 3072): (64, 256, 4, 3, 1), (1, 16384, 3072): (64, 256, 4, 3, 1),  # llama-3b
-    (0, 3072, 3072): (64, 128, 4, 3, 4), (2, 3072, 8192): (64, 128, 4, 3, 8),
-    (1, 960, 576): (64, 256, 4, 6, 1), (1, 3072, 576): (64, 256, 4, 4, 1),  # smollm2-135m
-    (0, 576, 576): (16, 128, 4, 6, 1), (2, 576, 1536): (64, 128, 4, 4, 8),
-    (0, 4096, 2048): (64, 256, 4, 3, 1),  # llama-1b's and bamba-1b's lm_head (vocab 4096): 9.18 us, 9.63 split 4 (s18)
-}
-
-
-def mma_config(prologue: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of `mma`: measured for the named shapes, else
-    64 outputs a program; a product without the RMSNorm splits K until ~256 programs (a program
-    streams ~20 GB/s: a 2048-row weight in 32 programs reads at 0.65 TB/s) keeping >= 256 columns a
-    split, one under the RMSNorm (wide products; a split cost llama-3b's q/k/v 40%). The choice
-    depends on the weight alone, never on the row count: a row's result is the same at every M."""
-    hit = _MMA_MEASURED.get((prologue, n, k))
-    if hit:
-        return hit
-    if prologue == 1:
-        return 64, 256, 4, 3, 1
-    split = 1
-    while split < 8 and triton.cdiv(n, 64) * split * 2 <= 256 and k // (split * 2) >= 256:
-        split *= 2
-    return 64, 128, 4, 3, split
-
-
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 LOCK_SLOTS = 1 << 16  # arrival counters at most: a split-K product's column blocks, the attention's (token, head)s
 
@@ -197,10 +171,11 @@ def launches_early(w: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr):
+def _await_inputs(w_ptr, wrow, mn, pk, up, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr, GLU: tl.constexpr):
     """Under PDL: lets the next kernel launch, asks L2 for this program's weight slice (one prefetch
-    per 128-byte line) while the kernel before still runs, then waits for that kernel."""
+    per 128-byte line; with GLU its up rows too, `up` elements on) while the kernel before still runs,
+    then waits for that kernel."""
     if PDL:
         gdc_launch_dependents()
         for c0 in range(0, KS, BLOCK_K):
@@ -208,6 +183,9 @@ def _await_inputs(w_ptr, wrow, mn, pk, K: tl.constexpr, KS: tl.constexpr, BLOCK_
             ptrs = tl.where(mn[:, None] & (cols < K)[None, :], wrow + cols[None, :], w_ptr)
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
                                       is_pure=False, pack=1)
+            if GLU:
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs + up], dtype=tl.int32,
+                                          is_pure=False, pack=1)
         gdc_wait()
 
 
@@ -220,6 +198,18 @@ def _store_rows(acc, optr, mo, bptr, mn, RES: tl.constexpr, BIAS: tl.constexpr, 
     if RES:
         y = (tl.load(optr, mask=mo, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
     tl.store(optr, y, mask=mo)
+
+
+@triton.jit
+def _store_glu(acc, acc2, optr, mo, bptr, bptr2, mn, BIAS: tl.constexpr, dt: tl.constexpr):
+    """out = silu(gate) * up from the two accumulators, rounded as the unfused path rounds: gate and up
+    to dt (as the product stores them), the SiLU to dt, their product to dt."""
+    if BIAS:
+        acc += tl.load(bptr, mask=mn, other=0.0).to(tl.float32)[:, None]
+        acc2 += tl.load(bptr2, mask=mn, other=0.0).to(tl.float32)[:, None]
+    gate = acc.to(dt).to(tl.float32)
+    up = acc2.to(dt).to(tl.float32)
+    tl.store(optr, ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt), mask=mo)
 
 
 @triton.jit
@@ -256,12 +246,16 @@ def _store_qkv_rope(acc, pn, rm, mm, bptr, q_ptr, cos_ptr, sin_ptr, stride_cs, s
 def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x, stride_w,
                 stride_out, eps, cos_ptr, sin_ptr, stride_cs, slot_ptr, kp_ptr, vp_ptr, PRO: tl.constexpr, RES: tl.constexpr,
                 BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                KS: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr):
+                KS: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                GLU: tl.constexpr = False, SSPRE: tl.constexpr = False):
     """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
     and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor
     cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column
     block to arrive sums the SPLIT partials in order and finishes. Every row runs the same
-    instructions whatever M and its slot, so a row's result depends on neither."""
+    instructions whatever M and its slot, so a row's result depends on neither. PRO 3: the RMSNorm's
+    gain is folded into w, x streams as it is (its sum of squares from the loaded tiles, or with SSPRE
+    over the whole row before the loop). GLU: rows rn and N + rn of w ([gate | up], 2N rows), two
+    accumulators, silu(gate) * up stored [M, N]."""
     pn, pk = tl.program_id(0), tl.program_id(1)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -269,15 +263,26 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     dt = w_ptr.dtype.element_ty
     wrow = w_ptr + rn.to(tl.int64)[:, None] * stride_w
     xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    _await_inputs(w_ptr, wrow, mn, pk, K, KS, BLOCK_K, PDL)
+    _await_inputs(w_ptr, wrow, mn, pk, N.to(tl.int64) * stride_w, K, KS, BLOCK_K, PDL, GLU)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
+    if SSPRE:  # the whole row's sum of squares first (x is small and in L2), in the loop's tile order
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(xrow + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, axis=1)
     for k0 in range(0, KS, BLOCK_K):
         rk = pk * KS + k0 + tl.arange(0, BLOCK_K)  # past K: masked (zeros)
         mk = rk < K
         w = tl.load(wrow + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         mx = mm[:, None] & mk[None, :]
-        if PRO == 2:
+        if PRO == 3:
+            a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
+            if not SSPRE:
+                xf = a.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+        elif PRO == 2:
             gate = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
             up = tl.load(xrow + K + rk[None, :], mask=mx, other=0.0).to(tl.float32)
             a = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt)
@@ -288,26 +293,34 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
         else:
             a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
         acc = tl.dot(w, tl.trans(a), acc)
+        if GLU:
+            w2 = tl.load(wrow + N * stride_w + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc2 = tl.dot(w2, tl.trans(a), acc2)
     last = True
     if SPLIT > 1:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]
         tl.store(ws_ptr + (pn * SPLIT + pk) * BLOCK_N * BLOCK_M + tile, acc)
-        if PRO == 1:
+        if (PRO == 1 or PRO == 3) and not SSPRE:
             tl.store(ss_ptr + (pn * SPLIT + pk) * BLOCK_M + rm, ss)
         tl.debug_barrier()
         last = tl.atomic_add(lock_ptr + pn, 1, sem="acq_rel") == SPLIT - 1
         if last:
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            ss = tl.zeros((BLOCK_M,), tl.float32)
+            if not SSPRE:
+                ss = tl.zeros((BLOCK_M,), tl.float32)
             for s in tl.static_range(SPLIT):
                 acc += tl.load(ws_ptr + (pn * SPLIT + s) * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
-                if PRO == 1:
+                if (PRO == 1 or PRO == 3) and not SSPRE:
                     ss += tl.load(ss_ptr + (pn * SPLIT + s) * BLOCK_M + rm, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pn, 0)
     if last:
-        if PRO == 1:
+        if PRO == 1 or PRO == 3:
             acc = acc * tl.rsqrt(ss / K + eps)[None, :]
-        if ROPE:
+            acc2 = acc2 * tl.rsqrt(ss / K + eps)[None, :]
+        if GLU:
+            _store_glu(acc, acc2, out_ptr + rm[None, :] * stride_out + rn[:, None], mn[:, None] & mm[None, :], b_ptr + rn,
+                       b_ptr + N + rn, mn, BIAS, dt)
+        elif ROPE:
             _store_qkv_rope(acc, pn, rm, mm, b_ptr, out_ptr, cos_ptr, sin_ptr, stride_cs, slot_ptr, kp_ptr, vp_ptr, BIAS, HQ,
                             HKV, BLOCK_N, BLOCK_M, dt)
         else:
@@ -327,42 +340,50 @@ class RopeKV(NamedTuple):
     kv_heads: int
 
 
-def rope_fuses(w: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def rope_fuses(w: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, folded: bool = False) -> bool:
     """Whether the q/k/v product of weight w (under the RMSNorm) carries RoPE and the KV write: a
     program's columns are one head (its config's BLOCK_N is the head size), K is not split, every
     channel rotates, and CANTATA_FUSED_ROPE is not 0. Else ops/rope_kv.py's kernel runs after it.
     (The split-K variant is exact in the tests, but the H100's ptxas crashed (-11) compiling it at
     llama-1b's q/k/v config, K 2048 split 2, 2026-11-27: unsplit products only.)"""
-    bn, _, _, _, split = mma_config(1, *w.shape)
+    bn, _, _, _, split = mma_config(3 if folded else 1, *w.shape)
     return (bn == head_dim and split == 1 and cos.shape[-1] == head_dim and cos.stride(-1) == 1
             and sin.stride() == cos.stride() and os.environ.get("CANTATA_FUSED_ROPE", "1") != "0")
 
 
 def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
         eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None,
-        config: tuple[int, int, int, int, int] | None = None, rope: RopeKV | None = None) -> torch.Tensor:
+        config: tuple[int, int, int, int, int] | None = None, rope: RopeKV | None = None, glu: bool = False,
+        folded: bool = False, ss_first: bool = False) -> torch.Tensor:
     """Weight products of up to MAX_ROWS rows with their neighbours carried: x [M, K] (gain given:
-    rms_norm(x) * gain; swiglu: x = [gate | up] [M, 2K] -> silu(gate) * up) -> W @ a (+ bias) [M, N];
-    with `residual` [M, N] the result is added to it in place (and it is returned); with `rope` (a q/k/v
-    product where rope_fuses) -> q [M, heads, D] rotated, k rotated and v written into the pool. A
+    rms_norm(x) * gain; folded: rms_norm(x) with the gain folded into w's columns; swiglu: x = [gate |
+    up] [M, 2K] -> silu(gate) * up) -> W @ a (+ bias) [M, N]; glu: w = [gate | up] [2N, K] -> silu(gate
+    product) * up product [M, N]; with `residual` [M, N] the result is added to it in place (and it is
+    returned); with `rope` (a q/k/v product where rope_fuses) -> q [M, heads, D] rotated, k rotated and v
+    written into the pool. ss_first: a folded norm's sum of squares over the row before the products. A
     row's result does not depend on the other rows nor on M (a verify computes its decodes' products,
     bit for bit)."""
     m = x.shape[0]
     n, k = w.shape
+    if glu:
+        n //= 2
     if m > MAX_ROWS:
         raise ValueError(f"mma takes at most {MAX_ROWS} rows, got {m}")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or x.shape[1] != (2 * k if swiglu else k):
         raise ValueError(f"mma wants row-major operands: x {tuple(x.shape)}, w {tuple(w.shape)}")
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    pro = 2 if swiglu else (1 if gain is not None else 0)
-    bn, bk, warps, stages, split = config or mma_config(pro, n, k)
+    pro = 2 if swiglu else (1 if gain is not None else (3 if folded else 0))
+    bn, bk, warps, stages, split = config or mma_config(4 if glu else pro, n, k)
+    if glu and (split > 1 or rope is not None or residual is not None or swiglu):
+        raise ValueError("mma's glu end takes an unsplit product without RoPE, residual or a SwiGLU prologue")
     r = rope if rope is not None else RopeKV(w, w, w, w, w, 0, 0)
     if rope is not None:
         if bn != n // (rope.heads + 2 * rope.kv_heads) or rope.cos.shape[-1] != bn or residual is not None:
             raise ValueError(f"mma carries RoPE only with a head a program (BLOCK_N {bn}, weight {tuple(w.shape)})")
         out = torch.empty(m, rope.heads, bn, dtype=x.dtype, device=x.device)
     bm = max(16, triton.next_power_of_2(m))
-    stages = max(1, min(stages, 200_000 // ((bn + bm * (2 if swiglu else 1)) * bk * x.element_size())))
+    tiles = (2 if glu else 1) * bn + bm * (2 if swiglu else 1)
+    stages = max(1, min(stages, 200_000 // (tiles * bk * x.element_size())))
     blocks = triton.cdiv(n, bn)
     ws = ss = locks = out
     if split > 1:
@@ -376,6 +397,6 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
         x.stride(0), w.stride(0), out.stride(0), eps, r.cos, r.sin, r.cos.stride(0), r.slots, r.k_cache, r.v_cache,
         PRO=pro, RES=residual is not None, BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, KS=triton.cdiv(triton.cdiv(k, split), bk) * bk,
-        PDL=early, ROPE=rope is not None, HQ=r.heads, HKV=r.kv_heads,
+        PDL=early, ROPE=rope is not None, HQ=r.heads, HKV=r.kv_heads, GLU=glu, SSPRE=ss_first and folded,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}))
     return out
