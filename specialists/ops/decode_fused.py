@@ -16,11 +16,9 @@ kernels and the small kernels' fixed cost held a 1B model at 2.3x its bandwidth 
       row's products alike in each), and K splits by the weight's shape alone with the partials summed
       in order: a verify of K+1 tokens computes exactly what the decodes of those tokens compute, and a
       request's tokens do not depend on the batch it shares (the exactness contract).
-      Where a model folds its norms' gains into q/k/v and gate/up (models/llama.fold_norm_gain, d >= 2048),
-      x streams into the product as it is (the norm's sum of squares taken from the streamed tiles, its
-      scale after) and gate/up carries the SwiGLU at its end (two accumulators a program, silu(gate) * up
-      stored with the unfused roundings), so down is a plain product: llama-1b's TPOT 0.911 against 0.983
-      ms (H200, bench/RESULTS.md session 32). The tile tables are in ops/mma_config.py.
+      With the norms' gains folded into q/k/v and gate/up (models/llama.fold_norm_gain) x streams as it
+      is and gate/up carries the SwiGLU at its end (two accumulators, the unfused roundings), so down is
+      a plain product (mma kinds 3 and 4; tiles in ops/mma_config.py).
   gemm pieces (rms_norm, silu_mul, add_product: cuBLAS with the residual as the GEMM's C operand) are
       bench.fused_products' comparison only: the engine took them above 32 rows until a verify of 48
       rows (batch 8, K=5, bf16) gave other greedy tokens than its decodes (cuBLAS picks its kernel by
