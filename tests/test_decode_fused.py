@@ -57,7 +57,9 @@ def test_engines_with_fused_products(shape: str, fold: str | None, tmp_path, mon
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = [o.token_ids for o in Engine.from_pretrained(ckpt, policy=SpeculationPolicy(mode="off"), **kw).generate(prompts, params)]
     spec = Engine.from_pretrained(ckpt, policy=SpeculationPolicy(mode="on", num_speculative_tokens=3), **kw)
-    assert all(layer.mlp.folded == bool(fold) for layer in spec.runner.model.layers)
+    layers = spec.runner.model.layers
+    assert all(layer.mlp.folded == bool(fold) for layer in layers)
+    assert all((layer.mamba.folded_norm_eps is not None) == bool(fold) for layer in layers if getattr(layer, "mamba", None))
     assert [o.token_ids for o in spec.generate(prompts, params)] == plain
     monkeypatch.setenv("CANTATA_FUSED_DECODE", "0")
     torch_path = [o.token_ids for o in Engine.from_pretrained(ckpt, policy=SpeculationPolicy(mode="off"), **kw).generate(prompts, params)]

@@ -19,6 +19,7 @@ paged KV) or a Mamba2 mixer whose states live in an SSMCache slot per sequence:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -47,6 +48,16 @@ class _BambaLayer:
     cache_index: int = 0  # index among the attention layers (KV) or the Mamba layers (SSM)
 
 
+def _fold_in_proj(p: Mamba2Params, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """A Mamba layer's input RMSNorm gain folded into its in_proj (in place, fp32, rounded once), as
+    llama.fold_norm_gain does for q/k/v: the decode path's in_proj streams h under the norm's scale (one
+    norm kernel fewer a layer); -> the gain the norm keeps (ones)."""
+    w = p.in_proj_weight
+    w.copy_((w.float() * gain.float()).to(w.dtype))
+    p.folded_norm_eps = eps
+    return torch.ones_like(gain)
+
+
 class BambaModel(DecoderBase):
     family = "bamba"
 
@@ -69,10 +80,12 @@ class BambaModel(DecoderBase):
                 raise ValueError(f"layer {i}: unknown block type {kind!r}")
             self.layers.append(layer)
         self._n_attn, self._n_mamba = n_attn, n_mamba
-        if folds_norm_gains(self.embed):  # the Mamba layers keep their input norms
+        if folds_norm_gains(self.embed):
             for layer in self.layers:
                 if layer.attn is not None:
                     layer.input_norm = fold_norm_gain(layer.attn, layer.input_norm)
+                elif os.environ.get("CANTATA_FOLD_MAMBA_NORM", "1") != "0":
+                    layer.input_norm = _fold_in_proj(layer.mamba, layer.input_norm, self.eps)
                 layer.pre_ff_norm = fold_norm_gain(layer.mlp, layer.pre_ff_norm)
         self.rope = Rope(config, self.head_dim, self.device)
         self.dtype = self.embed.dtype
@@ -85,7 +98,7 @@ class BambaModel(DecoderBase):
     def num_mamba_layers(self) -> int:
         return self._n_mamba
 
-    def _mamba_static(self, p: Mamba2Params, layer: int, x: torch.Tensor, batch: ForwardBatch, ssm,
+    def _mamba_static(self, p: Mamba2Params, layer: int, x: torch.Tensor | None, batch: ForwardBatch, ssm,
                       residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """A static batch (rows of q tokens each, CUDA graphs): states read through the device slot
         tensor, nothing written; the per-token states go to the batch's staged buffer views
@@ -187,8 +200,9 @@ class BambaModel(DecoderBase):
                 fused_attention(layer.attn, layer.input_norm, self.eps, h, cos, sin, kv.k[i], kv.v[i], batch)
             elif layer.attn is not None:
                 h = h + attention_block(layer.attn, rms_norm(h, layer.input_norm, self.eps), cos, sin, kv.k[i], kv.v[i], batch)
-            elif fused and batch.static and fused_mamba_layers(h.device):
-                self._mamba_static(layer.mamba, i, rms_norm(h, layer.input_norm, self.eps), batch, ssm, residual=h)
+            elif fused and batch.static and fused_mamba_layers(h.device):  # x None: in_proj carries the norm
+                x = None if layer.mamba.folded_norm_eps is not None else rms_norm(h, layer.input_norm, self.eps)
+                self._mamba_static(layer.mamba, i, x, batch, ssm, residual=h)
             else:
                 h = h + self._mamba(layer.mamba, i, rms_norm(h, layer.input_norm, self.eps), batch, ssm)
             if fused:

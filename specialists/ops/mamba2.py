@@ -67,6 +67,7 @@ class Mamba2Params:
     chunk_size: int
     norm_eps: float
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    folded_norm_eps: float | None = None  # the layer's input RMSNorm eps once its gain is in in_proj_weight
 
     def __post_init__(self) -> None:
         if self.d_inner != self.num_heads * self.head_dim:

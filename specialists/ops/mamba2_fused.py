@@ -174,16 +174,20 @@ def mamba2_step_fused(
     return exact_linear(normed, p.out_proj_weight, p.out_proj_bias).view(B, q, -1), convs, states
 
 
-def mamba2_layer_fused(p: Mamba2Params, u: torch.Tensor, h: torch.Tensor, B: int, q: int, conv_state: torch.Tensor,
+def mamba2_layer_fused(p: Mamba2Params, u: torch.Tensor | None, h: torch.Tensor, B: int, q: int, conv_state: torch.Tensor,
                        ssm_state: torch.Tensor, slots: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor]) -> None:
     """A hybrid's Mamba layer on the decode path (decode_fused.enabled(h): CUDA, half precision, at most
     MAX_ROWS rows): h [B q, d] += mixer(u), u = rms_norm(h) * gain [B q, d], in place, with the residual
     add in out_proj's epilogue (one kernel fewer a layer); the states as mamba2_step_fused's `out`. The
     RMSNorm stays a kernel of its own: in in_proj's prologue the product took 18.8-21.9 us at bamba-1b
-    against 14.9 plus a 3.7 us norm (bench.fused_products' in_proj_norm_mma, H100, session 29)."""
+    against 14.9 plus a 3.7 us norm (bench.fused_products' in_proj_norm_mma, H100, session 29). u None:
+    the norm's gain is folded into in_proj (p.folded_norm_eps), which streams h under the norm's scale."""
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
-    zx = exact_linear(u, p.in_proj_weight, p.in_proj_bias)
+    if u is None:
+        zx = decode_fused.mma(h, p.in_proj_weight, p.in_proj_bias, eps=p.folded_norm_eps, folded=True)
+    else:
+        zx = exact_linear(u, p.in_proj_weight, p.in_proj_bias)
     normed, _, _ = mixer_step(p, zx, B, q, conv_state, ssm_state, slots, out)
     decode_fused.mma(normed, p.out_proj_weight, p.out_proj_bias, residual=h)
 
