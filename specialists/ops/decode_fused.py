@@ -240,20 +240,39 @@ def _store_qkv_rope(acc, pn, rm, mm, bptr, q_ptr, cos_ptr, sin_ptr, stride_cs, s
             tl.store(vp_ptr + (slot[None, :] * HKV + (pn - HQ - HKV)) * D + d[:, None], out, mask=mm[None, :])
 
 
+@triton.jit
+def _operand(xrow, g_ptr, rk, mk, mx, ss, K: tl.constexpr, PRO: tl.constexpr, dt: tl.constexpr):
+    """The rows' [BLOCK_M, BLOCK_K] tile of a product's x operand after the kind's prologue (0 plain, 1
+    x * gain under the RMSNorm, 2 silu(gate) * up, 3 x under a norm whose gain is in w) and the norm's
+    running sum of squares."""
+    if PRO == 3:
+        a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
+        xf = a.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    elif PRO == 2:
+        gate = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
+        up = tl.load(xrow + K + rk[None, :], mask=mx, other=0.0).to(tl.float32)
+        a = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt)
+    elif PRO == 1:
+        xv = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+        a = (xv * tl.load(g_ptr + rk, mask=mk, other=0.0).to(tl.float32)[None, :]).to(dt)
+    else:
+        a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
+    return a, ss
+
+
 @triton.jit(do_not_specialize=["M", "N", "stride_cs"])
 def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M, N, K: tl.constexpr, stride_x, stride_w,
                 stride_out, eps, cos_ptr, sin_ptr, stride_cs, slot_ptr, kp_ptr, vp_ptr, PRO: tl.constexpr, RES: tl.constexpr,
                 BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                 KS: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                GLU: tl.constexpr = False, SSPRE: tl.constexpr = False):
-    """Program (n, s) streams BLOCK_N weight rows over the s-th of SPLIT ranges of K (KS columns each)
-    and multiplies each [BLOCK_N, BLOCK_K] tile with the rows' [BLOCK_M, BLOCK_K] tile on the tensor
-    cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a column
-    block to arrive sums the SPLIT partials in order and finishes. Every row runs the same
-    instructions whatever M and its slot, so a row's result depends on neither. PRO 3: the RMSNorm's
-    gain is folded into w, x streams as it is (its sum of squares from the loaded tiles, or with SSPRE
-    over the whole row before the loop). GLU: rows rn and N + rn of w ([gate | up], 2N rows), two
-    accumulators, silu(gate) * up stored [M, N]."""
+                GLU: tl.constexpr = False):
+    """Program (n, s) streams BLOCK_N weight rows (GLU: rows rn and N + rn, two accumulators) over the
+    s-th of SPLIT ranges of K and multiplies each tile with the rows' [BLOCK_M, BLOCK_K] tile on the
+    tensor cores (rows past M are zeros). With SPLIT > 1 each writes its fp32 partial; the last of a
+    column block to arrive sums the partials in order and finishes. Every row runs the same
+    instructions whatever M and its slot, so a row's result depends on neither."""
     pn, pk = tl.program_id(0), tl.program_id(1)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -265,31 +284,11 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
-    if SSPRE:  # the whole row's sum of squares first (x is small and in L2), in the loop's tile order
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(xrow + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(xv * xv, axis=1)
     for k0 in range(0, KS, BLOCK_K):
         rk = pk * KS + k0 + tl.arange(0, BLOCK_K)  # past K: masked (zeros)
         mk = rk < K
         w = tl.load(wrow + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        mx = mm[:, None] & mk[None, :]
-        if PRO == 3:
-            a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
-            if not SSPRE:
-                xf = a.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-        elif PRO == 2:
-            gate = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
-            up = tl.load(xrow + K + rk[None, :], mask=mx, other=0.0).to(tl.float32)
-            a = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt)
-        elif PRO == 1:
-            xv = tl.load(xrow + rk[None, :], mask=mx, other=0.0).to(tl.float32)
-            ss += tl.sum(xv * xv, axis=1)
-            a = (xv * tl.load(g_ptr + rk, mask=mk, other=0.0).to(tl.float32)[None, :]).to(dt)
-        else:
-            a = tl.load(xrow + rk[None, :], mask=mx, other=0.0)
+        a, ss = _operand(xrow, g_ptr, rk, mk, mm[:, None] & mk[None, :], ss, K, PRO, dt)
         acc = tl.dot(w, tl.trans(a), acc)
         if GLU:
             w2 = tl.load(wrow + N * stride_w + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
@@ -298,17 +297,16 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
     if SPLIT > 1:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]
         tl.store(ws_ptr + (pn * SPLIT + pk) * BLOCK_N * BLOCK_M + tile, acc)
-        if (PRO == 1 or PRO == 3) and not SSPRE:
+        if PRO == 1 or PRO == 3:
             tl.store(ss_ptr + (pn * SPLIT + pk) * BLOCK_M + rm, ss)
         tl.debug_barrier()
         last = tl.atomic_add(lock_ptr + pn, 1, sem="acq_rel") == SPLIT - 1
         if last:
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            if not SSPRE:
-                ss = tl.zeros((BLOCK_M,), tl.float32)
+            ss = tl.zeros((BLOCK_M,), tl.float32)
             for s in tl.static_range(SPLIT):
                 acc += tl.load(ws_ptr + (pn * SPLIT + s) * BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
-                if (PRO == 1 or PRO == 3) and not SSPRE:
+                if PRO == 1 or PRO == 3:
                     ss += tl.load(ss_ptr + (pn * SPLIT + s) * BLOCK_M + rm, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pn, 0)
     if last:
@@ -352,14 +350,13 @@ def rope_fuses(w: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Ten
 def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
         eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None,
         config: tuple[int, int, int, int, int] | None = None, rope: RopeKV | None = None, glu: bool = False,
-        folded: bool = False, ss_first: bool = False) -> torch.Tensor:
+        folded: bool = False) -> torch.Tensor:
     """Weight products of up to MAX_ROWS rows with their neighbours carried: x [M, K] (gain given:
     rms_norm(x) * gain; folded: rms_norm(x) with the gain folded into w's columns; swiglu: x = [gate |
     up] [M, 2K] -> silu(gate) * up) -> W @ a (+ bias) [M, N]; glu: w = [gate | up] [2N, K] -> silu(gate
     product) * up product [M, N]; with `residual` [M, N] the result is added to it in place (and it is
     returned); with `rope` (a q/k/v product where rope_fuses) -> q [M, heads, D] rotated, k rotated and v
-    written into the pool. ss_first: a folded norm's sum of squares over the row before the products. A
-    row's result does not depend on the other rows nor on M (a verify computes its decodes' products,
+    written into the pool. A row's result does not depend on the other rows nor on M (a verify computes its decodes' products,
     bit for bit)."""
     m = x.shape[0]
     n, k = w.shape
@@ -395,6 +392,6 @@ def mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, g
         x.stride(0), w.stride(0), out.stride(0), eps, r.cos, r.sin, r.cos.stride(0), r.slots, r.k_cache, r.v_cache,
         PRO=pro, RES=residual is not None, BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, KS=triton.cdiv(triton.cdiv(k, split), bk) * bk,
-        PDL=early, ROPE=rope is not None, HQ=r.heads, HKV=r.kv_heads, GLU=glu, SSPRE=ss_first and folded,
+        PDL=early, ROPE=rope is not None, HQ=r.heads, HKV=r.kv_heads, GLU=glu,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}))
     return out
