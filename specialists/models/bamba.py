@@ -27,9 +27,8 @@ import torch
 
 from specialists.models.batch import ForwardBatch
 from specialists.models.llama import (
-    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, fold_norm_gain, folds_norm_gains, fused_attention,
-    fused_mlp, fused_step, mlp_block,
-    rms_norm,
+    AttentionWeights, DecoderBase, MLPWeights, Rope, attention_block, fold_gain_, fold_norm_gain, folds_norm_gains,
+    fused_attention, fused_mlp, fused_step, mlp_block, rms_norm,
 )
 from specialists.ops.mamba2 import Mamba2Params, mamba2_prefill, mamba2_prefill_at
 from specialists.ops.mamba2_padded import mamba2_prefill_padded
@@ -49,13 +48,11 @@ class _BambaLayer:
 
 
 def _fold_in_proj(p: Mamba2Params, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """A Mamba layer's input RMSNorm gain folded into its in_proj (in place, fp32, rounded once), as
-    llama.fold_norm_gain does for q/k/v: the decode path's in_proj streams h under the norm's scale (one
-    norm kernel fewer a layer); -> the gain the norm keeps (ones)."""
-    w = p.in_proj_weight
-    w.copy_((w.float() * gain.float()).to(w.dtype))
+    """A Mamba layer's input RMSNorm gain folded into its in_proj (llama.fold_gain_): the decode path's
+    in_proj streams h under the norm's scale (one norm kernel fewer a layer); -> the norm's gain (ones)."""
+    ones = fold_gain_(p.in_proj_weight, gain)
     p.folded_norm_eps = eps
-    return torch.ones_like(gain)
+    return ones
 
 
 class BambaModel(DecoderBase):

@@ -22,7 +22,7 @@ from specialists.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from specialists.ops.linear import exact_linear, linear
 
 __all__ = ["LlamaModel", "Rope", "AttentionWeights", "MLPWeights", "rms_norm", "attention_block", "mlp_block",
-           "fused_step", "fused_attention", "fused_mlp", "folds_norm_gains", "fold_norm_gain"]
+           "fused_step", "fused_attention", "fused_mlp", "folds_norm_gains", "fold_gain_", "fold_norm_gain"]
 
 
 class UnsupportedModelError(ValueError):
@@ -158,14 +158,19 @@ def folds_norm_gains(x: torch.Tensor) -> bool:
             and (env == "1" or x.shape[-1] >= FOLD_MIN_HIDDEN))
 
 
-def fold_norm_gain(w: AttentionWeights | MLPWeights, gain: torch.Tensor) -> torch.Tensor:
-    """Folds an RMSNorm's gain into the product after it, in place (q/k/v's or gate/up's columns times
-    the gain in fp32, rounded once); -> the gain the norm keeps (ones): every path then computes
-    rms_norm(x) @ (W * gain)^T, the prefills' torch ops and the fused decodes alike."""
-    big = w.qkv if isinstance(w, AttentionWeights) else w.gate_up
-    big.copy_((big.float() * gain.float()).to(big.dtype))
-    w.folded = True
+def fold_gain_(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm's gain folded into the product after it: w's columns times the gain, in place (fp32,
+    rounded once); -> the gain the norm keeps (ones): every path then computes rms_norm(x) @ (W * gain)^T,
+    the prefills' torch ops and the fused decodes alike."""
+    w.copy_((w.float() * gain.float()).to(w.dtype))
     return torch.ones_like(gain)
+
+
+def fold_norm_gain(w: AttentionWeights | MLPWeights, gain: torch.Tensor) -> torch.Tensor:
+    """fold_gain_ into q/k/v or gate/up, marking the weights folded (the fused path's kinds 3 and 4)."""
+    ones = fold_gain_(w.qkv if isinstance(w, AttentionWeights) else w.gate_up, gain)
+    w.folded = True
+    return ones
 
 
 def attend(w: AttentionWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

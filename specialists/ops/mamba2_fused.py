@@ -178,10 +178,10 @@ def mamba2_layer_fused(p: Mamba2Params, u: torch.Tensor | None, h: torch.Tensor,
                        ssm_state: torch.Tensor, slots: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor]) -> None:
     """A hybrid's Mamba layer on the decode path (decode_fused.enabled(h): CUDA, half precision, at most
     MAX_ROWS rows): h [B q, d] += mixer(u), u = rms_norm(h) * gain [B q, d], in place, with the residual
-    add in out_proj's epilogue (one kernel fewer a layer); the states as mamba2_step_fused's `out`. The
-    RMSNorm stays a kernel of its own: in in_proj's prologue the product took 18.8-21.9 us at bamba-1b
-    against 14.9 plus a 3.7 us norm (bench.fused_products' in_proj_norm_mma, H100, session 29). u None:
-    the norm's gain is folded into in_proj (p.folded_norm_eps), which streams h under the norm's scale."""
+    add in out_proj's epilogue (one kernel fewer a layer); the states as mamba2_step_fused's `out`. u
+    None: the norm's gain is folded into in_proj (p.folded_norm_eps), which streams h under the norm's
+    scale; with u given the RMSNorm was a kernel of its own (in in_proj's prologue with the gain in the
+    loop the product took 18.8-21.9 us at bamba-1b against 14.9 plus a 3.7 us norm, H100, session 29)."""
     from specialists.ops import decode_fused  # Triton: a GPU install has it
 
     if u is None:

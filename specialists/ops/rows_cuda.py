@@ -14,7 +14,8 @@
   verify before it keeps (specialists/staging.advance_rows): one kernel instead of ~13 torch ops, each
   ~10-15 us of the host's launch time on an H200 (the toys' speculative steps are host-bound there).
 
-Elsewhere (CPU, no Triton) both are their torch expressions.
+Elsewhere (CPU, no Triton) row_argmax and step_rows are their torch expressions; advance_rows' are in
+specialists/staging.advance_rows.
 """
 
 from __future__ import annotations
@@ -146,5 +147,6 @@ def advance_rows(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
 
 
 def fused_advance(*tensors: torch.Tensor) -> bool:
-    """Whether advance_rows runs as the kernel on these tensors (CUDA with Triton, unit column strides)."""
-    return triton is not None and all(t.is_cuda and (t.dim() < 2 or t.stride(-1) == 1) for t in tensors)
+    """Whether advance_rows runs as the kernel on these tensors (CUDA with Triton, unit last strides: the
+    kernel reads the flat fields at b * q + j and the tables, packed rows and drafts by their row strides)."""
+    return triton is not None and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
