@@ -30,7 +30,7 @@ from router.http import build_http_app
 from router.limits import RequestLimits
 from router.routing import AUTO, Router
 from router.service import ChatService, ServiceSettings
-from specialists.deployment import SpecialistOptions, specialist_deployment
+from specialists.deployment import HEALTH_CHECK_PERIOD_S, SpecialistOptions, specialist_deployment
 from specialists.telemetry import tracer_provider_from_env
 
 log = logging.getLogger(__name__)
@@ -179,5 +179,5 @@ def build_app(args: dict[str, Any]) -> Any:
     handles = {name: specialist_deployment(name=name, ray_actor_options={"num_cpus": 0.4})
                .bind(parsed.specialist_options(name).model_dump()) for name in parsed.specialists}
     ingress = serve.deployment(RouterIngress, name="router", ray_actor_options={"num_cpus": 0.2},
-                               max_ongoing_requests=256)
+                               max_ongoing_requests=256, health_check_period_s=HEALTH_CHECK_PERIOD_S)
     return ingress.bind(handles, parsed.model_dump())

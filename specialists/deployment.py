@@ -354,14 +354,19 @@ class Specialist:
             loop.stop(timeout_s=0.1)
 
 
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default is 10 s: up to 10 s more before a killed replica restarts
+
+
 def specialist_deployment(**options: Any) -> Any:
     """The Serve deployment of `Specialist` (Ray is imported here, not at module import).
 
     Options are Serve deployment options (name, ray_actor_options, ...); the config file's
-    per-deployment settings override them. Health is checked every 10 s; a long first warm-up
-    (GPU capture) is covered by the readiness check, not the health check."""
+    per-deployment settings override them. Health is checked every 2 s: Serve notices a dead
+    replica only at its next health check, so the period bounds how long a restart waits to begin
+    (the check itself is a few attribute reads). A long first warm-up (GPU capture) is covered by the
+    readiness check, not the health check."""
     from ray import serve
 
-    defaults: dict[str, Any] = {"max_ongoing_requests": 64, "health_check_period_s": 10.0,
+    defaults: dict[str, Any] = {"max_ongoing_requests": 64, "health_check_period_s": HEALTH_CHECK_PERIOD_S,
                                 "health_check_timeout_s": 30.0, "graceful_shutdown_timeout_s": 5.0}
     return serve.deployment(Specialist, **{**defaults, **options})
