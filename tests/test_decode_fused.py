@@ -159,6 +159,32 @@ def test_folded_norms_keep_the_torch_path() -> None:
     torch.testing.assert_close(mlp_block(mlp, rms_norm(x, ones, 1e-5)), mlp_ref, atol=TOL, rtol=TOL)
 
 
+def test_a_folded_mamba_in_proj_leaves_the_callers_weight_alone() -> None:
+    """bamba._fold_in_proj folds the gain into the layer's own copy: the state dict it was built from
+    (shared, not copied, where it already had the model's device and dtype) keeps its values."""
+    from types import SimpleNamespace
+
+    from specialists.models.bamba import _fold_in_proj
+    from specialists.ops.mamba2 import Mamba2Params
+
+    g, _ = _operands(1, 1, 91)
+    h, hd, n, d = 2, 8, 4, 16
+    conv_dim = h * hd + 2 * n
+    sd = {"in_proj.weight": torch.randn(2 * h * hd + 2 * n + h, d, device=DEV, generator=g).to(DT),
+          "conv1d.weight": torch.randn(conv_dim, 1, 4, device=DEV, generator=g).to(DT),
+          "dt_bias": torch.zeros(h, device=DEV), "A_log": torch.zeros(h, device=DEV), "D": torch.ones(h, device=DEV),
+          "norm.weight": torch.ones(h * hd, device=DEV, dtype=DT), "out_proj.weight": torch.zeros(d, h * hd, device=DEV, dtype=DT)}
+    cfg = SimpleNamespace(hidden_act="silu", mamba_n_heads=h, mamba_d_head=hd, mamba_n_groups=1, mamba_d_state=n,
+                          mamba_d_conv=4, mamba_chunk_size=8, rms_norm_eps=1e-5,
+                          time_step_limit=(0.0, float("inf")))
+    p = Mamba2Params.from_state_dict(sd, cfg)
+    before = sd["in_proj.weight"].clone()
+    gain = (torch.rand(d, device=DEV, generator=g) + 0.5).to(DT)
+    ones = _fold_in_proj(p, gain, 1e-5)
+    assert torch.equal(sd["in_proj.weight"], before) and torch.equal(ones, torch.ones_like(gain))
+    assert p.folded_norm_eps == 1e-5 and torch.equal(p.in_proj_weight, (before.float() * gain.float()).to(DT))
+
+
 @pytest.mark.parametrize("split,bias", [(1, False), (2, True)])
 def test_the_qkv_product_carries_rope_and_the_kv_write(split: int, bias: bool) -> None:
     """mma(rope=...) against the product then ops/rope_kv.py's kernel: the same q, and the same k and v

@@ -48,8 +48,11 @@ class _BambaLayer:
 
 
 def _fold_in_proj(p: Mamba2Params, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """A Mamba layer's input RMSNorm gain folded into its in_proj (llama.fold_gain_): the decode path's
-    in_proj streams h under the norm's scale (one norm kernel fewer a layer); -> the norm's gain (ones)."""
+    """A Mamba layer's input RMSNorm gain folded into a copy of its in_proj (llama.fold_gain_): the decode
+    path's in_proj streams h under the norm's scale (one norm kernel fewer a layer); -> the norm's gain
+    (ones). A copy: Mamba2Params holds the caller's tensor (a state dict's, a transformers mixer's, shared
+    where it already had the model's device and dtype), which must keep its values."""
+    p.in_proj_weight = p.in_proj_weight.clone()
     ones = fold_gain_(p.in_proj_weight, gain)
     p.folded_norm_eps = eps
     return ones

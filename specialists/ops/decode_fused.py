@@ -311,8 +311,8 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, g_ptr, b_ptr, ws_ptr, ss_ptr, lock_ptr, M
             tl.atomic_xchg(lock_ptr + pn, 0)
     if last:
         if PRO == 1 or PRO == 3:
-            acc = acc * tl.rsqrt(ss / K + eps)[None, :]
-            acc2 = acc2 * tl.rsqrt(ss / K + eps)[None, :]
+            scale = tl.rsqrt(ss / K + eps)[None, :]
+            acc, acc2 = acc * scale, acc2 * scale  # acc2 only read with GLU (else compiled away)
         if GLU:
             _store_glu(acc, acc2, out_ptr + rm[None, :] * stride_out + rn[:, None], mn[:, None] & mm[None, :], b_ptr + rn,
                        b_ptr + N + rn, mn, BIAS, dt)
